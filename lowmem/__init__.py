@@ -1,0 +1,8 @@
+"""lowmem: train neural networks in a fraction of the usual memory.
+
+Four composable techniques (``lowmem.techniques``): dynamic sparse reparameterization,
+pure low precision, true/simulated microbatching and residual-block activation checkpointing,
+met in one trainer (``lowmem.trainer``) and measured by one profiler (``lowmem.profile``).
+"""
+
+__version__ = "0.1.0"

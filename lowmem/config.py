@@ -1,0 +1,175 @@
+"""The configuration schema: dataclasses registered with Hydra's ConfigStore.
+
+Because every node is typed, a mistyped knob (``trainer.epocs=3``) or a wrong type
+(``data.batch_size=ten``) fails before anything is built, naming the knob. Values that a type
+cannot check (ranges, names) are checked by ``validate`` with errors that name the knob, the bad
+value and the allowed values.
+
+Units: ``data.batch_size`` and ``microbatch.size`` count examples for vision recipes and target
+tokens for translation recipes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A knob has a value that cannot work; the message names the knob and the allowed values."""
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING  # chosen with `data=<name>`; each recipe lists the names it accepts
+    root: str = "data"  # where real data sets are read from / downloaded to
+    batch_size: int = 100  # minibatch: examples (vision) or target tokens (translation)
+    eval_batch_size: int = 500  # examples (vision) or tokens (translation) per evaluation batch
+    train_size: int | None = None  # generated data only: number of training examples
+    test_size: int | None = None  # generated data only: number of test examples
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"  # sgd | adam
+    lr: float = 0.1  # base learning rate, before `lr_mult`
+    lr_mult: float | None = None  # None: the recipe's table default for the configured density
+    momentum: float = 0.9
+    nesterov: bool = True
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-8
+    weight_decay: float = 5e-4
+    schedule: str = "multistep"  # multistep | inverse_sqrt | constant
+    milestones: list[int] = field(default_factory=lambda: [60, 120, 160])  # epochs (multistep)
+    gamma: float = 0.2  # multistep factor
+    warmup_updates: int = 4000  # inverse_sqrt
+    warmup_init_lr: float = 1e-7  # inverse_sqrt
+
+
+@dataclass
+class SparsityConfig:
+    density: float = 1.0  # fraction of nonzeros in the sparsifiable layers; 1.0 = dense
+    rewire_fraction: float = 0.01377866  # of the sparsifiable weights, per rewiring (DSR's WRN default)
+    rewire_fraction_mult: float | None = None  # None: the recipe's table default for the density
+    rewire_freq_mult: float | None = None  # None: the recipe's table default for the density
+    init_threshold: float = 1e-3
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"  # fp32 | fp16 | bf16 | amp (chosen with `precision=<name>`)
+    stochastic_rounding: bool = False  # fp16/bf16: stochastic rounding of the weight write-back
+    init_scale: float = 65536.0  # fp16: initial dynamic loss scale
+    growth_interval: int = 2000  # fp16: clean steps before the loss scale doubles
+
+
+@dataclass
+class MicrobatchConfig:
+    size: int | None = None  # None: no microbatching (one pass over the minibatch)
+    mode: Any = "true"  # true | simulated (Hydra reads `true` as a boolean; both are accepted)
+
+
+@dataclass
+class CheckpointingConfig:
+    strategy: str = "none"  # none | no_bn | residual | residual_star
+    every: int = 1  # residual strategies: keep the output of every m-th residual block
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = 200
+    max_steps: int | None = None  # stop after this many minibatches (smoke runs)
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    resume: str | None = None  # a run directory holding checkpoint.pt
+    log_every: int = 50  # minibatches between progress lines / metrics.jsonl step records
+    progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | none
+    num_threads: int | None = None  # CPU threads for torch (None: torch's default)
+    sync_batchnorm: bool = False  # data parallel: SyncBatchNorm instead of per-rank statistics
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"  # none | wandb
+    project: str = "lowmem"
+    mode: str = "offline"  # wandb mode: offline | online | disabled
+
+
+@dataclass
+class Config:
+    recipe: str = MISSING  # chosen with `+recipe=<name>`
+    data: DataConfig = field(default_factory=DataConfig)
+    model: dict[str, Any] = field(default_factory=dict)  # recipe-specific; the recipe checks the keys
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sparsity: SparsityConfig = field(default_factory=SparsityConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    microbatch: MicrobatchConfig = field(default_factory=MicrobatchConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="lowmem_schema", node=Config)
+
+
+def _require(condition: bool, knob: str, value: Any, allowed: str) -> None:
+    if not condition:
+        raise ConfigError(f"{knob}={value!r} is not allowed: {allowed}")
+
+
+def microbatch_mode(cfg: DictConfig | Config) -> str:
+    """``microbatch.mode`` normalised to "true" or "simulated" (Hydra parses `true` as a bool)."""
+    mode = cfg.microbatch.mode
+    if mode is True or str(mode).lower() == "true":
+        return "true"
+    _require(str(mode).lower() == "simulated", "microbatch.mode", mode, "one of true, simulated")
+    return "simulated"
+
+
+def validate(cfg: DictConfig | Config) -> None:
+    """Range and name checks that types cannot express. Raises ConfigError naming the knob."""
+    if OmegaConf.is_missing(cfg, "recipe") or not cfg.recipe:
+        raise ConfigError("no recipe chosen: add +recipe=wrn_cifar or +recipe=dc_iwslt")
+    _require(cfg.data.batch_size > 0, "data.batch_size", cfg.data.batch_size, "must be a positive integer")
+    _require(cfg.data.eval_batch_size > 0, "data.eval_batch_size", cfg.data.eval_batch_size, "must be > 0")
+    _require(cfg.trainer.epochs > 0, "trainer.epochs", cfg.trainer.epochs, "must be a positive integer")
+    _require(cfg.trainer.max_steps is None or cfg.trainer.max_steps > 0, "trainer.max_steps",
+             cfg.trainer.max_steps, "must be a positive integer or null")
+    _require(cfg.trainer.log_every > 0, "trainer.log_every", cfg.trainer.log_every, "must be > 0")
+    _require(cfg.trainer.progress in ("auto", "bar", "lines", "none"), "trainer.progress",
+             cfg.trainer.progress, "one of auto, bar, lines, none")
+    device = cfg.trainer.device
+    _require(device in ("auto", "cpu", "cuda") or str(device).startswith("cuda:"), "trainer.device", device,
+             "one of auto, cpu, cuda, cuda:N")
+    _require(cfg.optim.name in ("sgd", "adam"), "optim.name", cfg.optim.name, "one of sgd, adam")
+    _require(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
+    _require(cfg.optim.lr_mult is None or cfg.optim.lr_mult > 0, "optim.lr_mult", cfg.optim.lr_mult,
+             "must be > 0 or null (the recipe's table default)")
+    _require(cfg.optim.schedule in ("multistep", "inverse_sqrt", "constant"), "optim.schedule",
+             cfg.optim.schedule, "one of multistep, inverse_sqrt, constant")
+    _require(0 < cfg.sparsity.density <= 1, "sparsity.density", cfg.sparsity.density,
+             "must be in (0, 1]; 1.0 means dense")
+    for knob in ("rewire_fraction_mult", "rewire_freq_mult"):
+        value = cfg.sparsity[knob] if isinstance(cfg, DictConfig) else getattr(cfg.sparsity, knob)
+        _require(value is None or value > 0, f"sparsity.{knob}", value, "must be > 0 or null (table default)")
+    _require(0 < cfg.sparsity.rewire_fraction < 1, "sparsity.rewire_fraction", cfg.sparsity.rewire_fraction,
+             "must be in (0, 1)")
+    _require(cfg.precision.name in ("fp32", "fp16", "bf16", "amp"), "precision", cfg.precision.name,
+             "one of fp32, fp16, bf16, amp")
+    if cfg.microbatch.size is not None:
+        _require(cfg.microbatch.size > 0, "microbatch.size", cfg.microbatch.size,
+                 "must be a positive integer (examples or tokens) or null")
+        _require(cfg.microbatch.size <= cfg.data.batch_size, "microbatch.size", cfg.microbatch.size,
+                 f"must not exceed data.batch_size={cfg.data.batch_size}")
+    microbatch_mode(cfg)
+    _require(cfg.checkpointing.strategy in ("none", "no_bn", "residual", "residual_star"),
+             "checkpointing.strategy", cfg.checkpointing.strategy, "one of none, no_bn, residual, residual_star")
+    _require(cfg.checkpointing.every >= 1, "checkpointing.every", cfg.checkpointing.every,
+             "must be an integer >= 1")
+    _require(cfg.logger.name in ("none", "wandb"), "logger", cfg.logger.name, "one of none, wandb")

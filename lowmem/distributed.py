@@ -1,0 +1,71 @@
+"""Data parallelism through torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...).
+
+Without torchrun every function here is a single-process no-op. ``data.batch_size`` is always
+the *global* minibatch: each rank trains on its 1/WORLD_SIZE share.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowmem.config import ConfigError
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_rank0() -> bool:
+    return rank() == 0
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_from_environment(device: torch.device) -> None:
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU)."""
+    if not launched_by_torchrun() or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend)
+
+
+def local_device(device: torch.device) -> torch.device:
+    """On CUDA each rank uses the GPU of its LOCAL_RANK."""
+    if device.type == "cuda" and launched_by_torchrun():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def check_batch_divisible(batch_size: int) -> None:
+    n = int(os.environ.get("WORLD_SIZE", "1"))
+    if batch_size % n != 0:
+        raise ConfigError(f"data.batch_size={batch_size} is the global minibatch and must be divisible by the "
+                          f"number of ranks ({n})")
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True if ``flag`` is true on any rank (e.g. an FP16 overflow: all ranks skip together)."""
+    if world_size() == 1:
+        return bool(flag)
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def wrap_model(model: nn.Module, device: torch.device, sync_batchnorm: bool = False) -> nn.Module:
+    if world_size() == 1:
+        return model
+    if sync_batchnorm:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    device_ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)

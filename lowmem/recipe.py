@@ -1,0 +1,78 @@
+"""What the trainer needs from a recipe (a task: model, data, loss, evaluation), and where recipes live.
+
+``lowmem`` knows no task. A recipe is a module ``recipes.<name>.recipe`` exposing ``RECIPE``, an
+object with the interface below. Batches are opaque to the trainer: only the recipe splits them
+into microbatches, computes their loss and moves them between devices.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from lowmem.config import ConfigError
+
+KNOWN_RECIPES = ("wrn_cifar", "dc_iwslt")
+
+
+@dataclass(frozen=True)
+class TechniqueDefaults:
+    """Per-density defaults from the report's tables (LR multiplier; rewiring fraction and frequency)."""
+
+    lr_mult: float
+    rewire_fraction_mult: float
+    rewire_freq_mult: float
+
+
+class TrainBatches(Protocol):
+    def __len__(self) -> int: ...  # minibatches per epoch
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
+        """The minibatches of ``epoch`` from ``start_batch`` on; a function of (seed, epoch) only."""
+        ...
+
+
+@dataclass
+class RecipeData:
+    train: TrainBatches
+    test: Any  # whatever the recipe's ``evaluate`` reads
+    description: str  # one line for the log: data set, sizes
+
+
+class Recipe(Protocol):
+    name: str
+    data_names: tuple[str, ...]  # accepted values of `data=`
+    primary_metric: str  # key of ``evaluate``'s result that "best" refers to (higher is better)
+
+    def build_model(self, cfg: Any) -> nn.Module: ...
+
+    def sparsifiable_weights(self, model: nn.Module) -> list[str]: ...
+
+    def table_defaults(self, density: float) -> TechniqueDefaults: ...
+
+    def rewire_schedule(self, cfg: Any) -> Any: ...  # a lowmem.techniques.sparsity.RewireSchedule
+
+    def build_data(self, cfg: Any, device: torch.device, input_dtype: torch.dtype) -> RecipeData: ...
+
+    def batch_size(self, batch: Any) -> int: ...  # examples (vision) or target tokens (translation)
+
+    def split(self, batch: Any, microbatch_size: int) -> Sequence[tuple[Any, float]]:
+        """Microbatches of ``batch`` with the weight of each (its share of the minibatch's units)."""
+        ...
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Mean training loss over the units of ``batch``, as an FP32 scalar."""
+        ...
+
+    def evaluate(self, model: nn.Module, test: Any) -> dict[str, float]: ...
+
+
+def get_recipe(name: str) -> Recipe:
+    if name not in KNOWN_RECIPES:
+        raise ConfigError(f"recipe={name!r} is unknown: choose one of {', '.join(KNOWN_RECIPES)}")
+    return importlib.import_module(f"recipes.{name}.recipe").RECIPE

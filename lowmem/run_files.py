@@ -1,0 +1,84 @@
+"""The files of a run directory (SPEC §2), written atomically.
+
+Every write goes to a temporary file in the same directory and is renamed into place
+(``os.replace`` is atomic on POSIX), so a crash leaves either the old file or the new one —
+never a half-written checkpoint or result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+CONFIG = ".hydra/config.yaml"
+METRICS = "metrics.jsonl"
+RESULT = "result.json"
+MODEL = "model.pt"
+CHECKPOINT = "checkpoint.pt"
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give the usual permissions
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_torch(obj: Any, path: str | os.PathLike) -> None:
+    _atomic_write(Path(path), lambda handle: torch.save(obj, handle))
+
+
+def save_json(obj: Any, path: str | os.PathLike) -> None:
+    data = (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode()
+    _atomic_write(Path(path), lambda handle: handle.write(data))
+
+
+def append_jsonl(record: dict, path: str | os.PathLike) -> None:
+    """Append one JSON line. A line is written with one ``write`` call and flushed to disk."""
+    line = json.dumps(record, sort_keys=True, default=str) + "\n"
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(line)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def provenance(device: torch.device) -> dict[str, Any]:
+    """Where a result came from: code revision, device, library versions."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {
+        "git_revision": git_revision(),
+        "device": str(device),
+        "device_name": name,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host_threads": torch.get_num_threads(),
+    }

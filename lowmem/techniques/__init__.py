@@ -1,0 +1,1 @@
+"""The four techniques, each usable on its own: sparsity, precision, microbatch, checkpointing."""

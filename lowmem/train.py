@@ -1,0 +1,49 @@
+"""``python -m lowmem.train +recipe=wrn_cifar [overrides]``: compose, build, fit, write the run files.
+
+Run files (SPEC §2), in Hydra's run directory: .hydra/config.yaml, metrics.jsonl, result.json,
+model.pt (plain state_dict), checkpoint.pt (resumable with ``trainer.resume=<run dir>``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from lowmem import distributed
+from lowmem.config import register_configs
+from lowmem.run_files import RESULT
+
+log = logging.getLogger("lowmem")
+register_configs()
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict:
+    from lowmem.trainer import build_trainer, resolve_device, resume_from
+
+    distributed.init_from_environment(resolve_device(cfg.trainer.device))
+    trainer = build_trainer(cfg)
+    if cfg.trainer.resume:
+        resume_from(trainer, cfg.trainer.resume, run_dir)
+        log.info("resumed from %s at epoch %d, step %d", cfg.trainer.resume, trainer.state.epoch,
+                 trainer.state.step)
+    result = trainer.fit(run_dir)
+    metric = trainer.recipe.primary_metric
+    if distributed.is_rank0():
+        log.info("done: best %s %.4f, final %.4f, %d steps in %.1fs, measured peak %s bytes -> %s",
+                 metric, result[f"best_{metric}"], result[f"final_{metric}"], result["steps"], result["wall_s"],
+                 result["peak_bytes"], run_dir / RESULT)
+    return result
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    run(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""The trainer: the one place where the four techniques meet.
+
+``build_trainer`` applies them in a fixed order (see the comments there for why that order);
+``Trainer.train_step`` runs one minibatch — microbatches, loss scaling, gradient masking, the
+optimizer step and rewiring, in that order; ``Trainer.fit`` loops, evaluates, logs and saves.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from lowmem import distributed
+from lowmem.config import ConfigError, microbatch_mode, validate
+from lowmem.metrics_log import MetricsLog, Progress
+from lowmem.recipe import Recipe, RecipeData, TechniqueDefaults, get_recipe
+from lowmem.run_files import CHECKPOINT, METRICS, MODEL, RESULT, provenance, save_json, save_torch
+from lowmem.schedules import learning_rate
+from lowmem.techniques.checkpointing import apply_checkpointing
+from lowmem.techniques.microbatch import apply_simulated_microbatching, no_sync_except_last
+from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
+from lowmem.techniques.precision import (
+    PrecisionPolicy,
+    autocast_context,
+    convert_model,
+    make_loss_scaler,
+    make_policy,
+)
+from lowmem.techniques.sparsity import DynamicSparsity
+
+log = logging.getLogger("lowmem")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``trainer.device``: auto picks CUDA when present."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.device={name!r}: no CUDA device is available here; use cpu or auto")
+    return device
+
+
+@dataclass
+class TrainState:
+    """Counters that, with the model, optimizer and technique states, define where training is."""
+
+    step: int = 0  # minibatches processed (applied or skipped)
+    updates: int = 0  # optimizer steps applied
+    skipped: int = 0  # steps skipped for FP16 overflow
+    epoch: int = 0  # current epoch
+    batch_in_epoch: int = 0  # minibatches of `epoch` already done
+    best_metric: float = -math.inf
+    final_metric: float | None = None
+    train_seconds: float = 0.0
+    history: list[dict] = field(default_factory=list)  # per-epoch evaluation records
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, recipe: Recipe, model: nn.Module, data: RecipeData | None,
+                 policy: PrecisionPolicy, sparsity: DynamicSparsity | None, defaults: TechniqueDefaults,
+                 device: torch.device) -> None:
+        self.config, self.recipe, self.device, self.policy = cfg, recipe, device, policy
+        self.model = model  # possibly DistributedDataParallel-wrapped
+        self.data = data
+        self.sparsity = sparsity
+        self.lr_mult = cfg.optim.lr_mult if cfg.optim.lr_mult is not None else defaults.lr_mult
+        self.base_lr = cfg.optim.lr * self.lr_mult
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = _build_optimizer(cfg.optim, self.params, self.base_lr, policy)
+        self.scaler = make_loss_scaler(policy, optimizer=self.optimizer)
+        self.microbatch_size = cfg.microbatch.size
+        self.microbatch_mode = microbatch_mode(cfg)
+        self.state = TrainState()
+
+    @property
+    def unwrapped_model(self) -> nn.Module:
+        return getattr(self.model, "module", self.model)
+
+    # --- one minibatch -------------------------------------------------------------------------
+    def train_step(self, batch: Any) -> dict[str, Any]:
+        """Forward/backward over all microbatches of ``batch``, then one (possibly skipped) update."""
+        self.model.train()
+        for p in self.params:
+            p.grad = None
+        # 1. True microbatching: sequential microbatches, each loss weighted by its share of the
+        #    minibatch so the accumulated gradient is the minibatch mean (a short last one is exact).
+        #    Data parallel: gradients are all-reduced only on the last microbatch.
+        if self.microbatch_size is not None and self.microbatch_mode == "true":
+            parts = self.recipe.split(batch, self.microbatch_size)
+        else:
+            parts = [(batch, 1.0)]
+        loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
+        for index, (part, weight) in enumerate(parts):
+            with no_sync_except_last(self.model, index, len(parts)), autocast_context(self.policy, self.device):
+                loss = self.recipe.loss(self.model, part)
+            # 2. Loss scaling (FP16): gradients stay scaled; the optimizer unscales them in FP32.
+            self.scaler.scale_loss(loss * weight).backward()
+            loss_total += loss.detach().float() * weight
+        # 3. Sparsity: zero gradients at inactive positions (torch.where, so a NaN/inf there
+        #    cannot trigger an overflow skip) before the overflow check.
+        if self.sparsity is not None:
+            self.sparsity.mask_gradients()
+        # 4. Overflow check; under data parallelism an overflow on any rank skips the step everywhere.
+        overflow = distributed.any_rank(self.scaler.found_overflow(self.params), self.device)
+        record: dict[str, Any] = {"loss": float(loss_total), "loss_scale": self.scaler.scale}
+        epoch_position = self.state.epoch + self.state.batch_in_epoch / max(len(self.data.train), 1) \
+            if self.data is not None else float(self.state.epoch)
+        if overflow:
+            self.state.skipped += 1
+        else:
+            lr = learning_rate(self.config.optim, self.base_lr, self.state.updates, self.state.epoch)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            # 5. The update, computed per tensor in FP32 and written back in the parameter's dtype.
+            self.optimizer.step(grad_scale=self.scaler.scale)
+            self.state.updates += 1
+            record["lr"] = lr
+            # 6. Rewiring counts applied updates only (never microbatches, never skipped steps).
+            if self.sparsity is not None:
+                rewiring = self.sparsity.after_optimizer_step(self.optimizer, epoch_position)
+                if rewiring is not None:
+                    record["rewiring"] = rewiring
+        self.scaler.update(overflow)
+        record["skipped"] = bool(overflow)
+        return record
+
+    # --- the loop ------------------------------------------------------------------------------
+    def fit(self, run_dir: Path) -> dict[str, Any]:
+        cfg, state = self.config, self.state
+        rank0 = distributed.is_rank0()
+        metrics = MetricsLog(run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), enabled=rank0)
+        progress = Progress(cfg.trainer.progress, cfg.trainer.log_every, enabled=rank0)
+        max_steps = cfg.trainer.max_steps
+        peak = PeakTracker(self.device)
+        train = self.data.train
+        try:
+            while state.epoch < cfg.trainer.epochs and not _done(state, max_steps):
+                progress.start_epoch(state.epoch, len(train), state.batch_in_epoch)
+                started = time.perf_counter()
+                for batch in train.epoch(state.epoch, state.batch_in_epoch):
+                    with peak.track(first_only=state.step > 0):
+                        record = self.train_step(batch)
+                    state.step += 1
+                    state.batch_in_epoch += 1
+                    if "rewiring" in record:
+                        metrics.log({"step": state.step, "epoch": state.epoch, "rewiring": record.pop("rewiring")})
+                    if state.step % cfg.trainer.log_every == 0 or state.step == max_steps:
+                        metrics.log({"step": state.step, "epoch": state.epoch, **record})
+                    progress.step(state.step, {"loss": record["loss"], "lr": record.get("lr", 0.0)})
+                    if _done(state, max_steps):
+                        break
+                state.train_seconds += time.perf_counter() - started
+                epoch_finished = state.batch_in_epoch >= len(train)
+                evaluation = self.evaluate()
+                metric = evaluation[self.recipe.primary_metric]
+                state.best_metric = max(state.best_metric, metric)
+                state.final_metric = metric
+                record = {"epoch": state.epoch, "step": state.step, "updates": state.updates,
+                          "skipped": state.skipped, "train_seconds": round(state.train_seconds, 3),
+                          "peak_bytes": peak.peak_bytes, **evaluation}
+                state.history.append(record)
+                metrics.log(record)
+                progress.end_epoch(f"epoch {state.epoch}: " + " ".join(
+                    f"{k}={v:.4g}" for k, v in evaluation.items()) + f" ({state.train_seconds:.1f}s)")
+                if epoch_finished:
+                    state.epoch += 1
+                    state.batch_in_epoch = 0
+                if rank0:
+                    save_torch(self.checkpoint_state(), run_dir / CHECKPOINT)
+        finally:
+            metrics.close()
+        result = self.result(peak.peak_bytes)
+        if rank0:
+            save_torch(self.unwrapped_model.state_dict(), run_dir / MODEL)
+            save_json(result, run_dir / RESULT)
+        return result
+
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        with autocast_context(self.policy, self.device):
+            return self.recipe.evaluate(self.unwrapped_model, self.data.test)
+
+    def result(self, peak_bytes: int | None) -> dict[str, Any]:
+        state, metric = self.state, self.recipe.primary_metric
+        return {
+            f"best_{metric}": state.best_metric if state.best_metric > -math.inf else None,
+            f"final_{metric}": state.final_metric,
+            "steps": state.step,
+            "updates": state.updates,
+            "skipped_steps": state.skipped,
+            "epochs": state.epoch,
+            "wall_s": round(state.train_seconds, 3),
+            "peak_bytes": peak_bytes,
+            "lr_mult": self.lr_mult,
+            "config": OmegaConf.to_container(self.config, resolve=True),
+            "provenance": provenance(self.device),
+        }
+
+    # --- resume --------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {
+            "model": self.unwrapped_model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "sparsity": self.sparsity.state_dict() if self.sparsity is not None else None,
+            "trainer": vars(self.state).copy(),
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            "config": OmegaConf.to_container(self.config, resolve=True),
+        }
+
+    def load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.unwrapped_model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.scaler.load_state_dict(checkpoint["scaler"])
+        if (checkpoint["sparsity"] is None) != (self.sparsity is None):
+            raise ConfigError("trainer.resume: the checkpoint's sparsity.density differs from this run's")
+        if self.sparsity is not None:
+            self.sparsity.load_state_dict(checkpoint["sparsity"])
+        self.state = TrainState(**checkpoint["trainer"])
+        torch.set_rng_state(checkpoint["rng"]["torch"])
+        if checkpoint["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+
+
+def _done(state: TrainState, max_steps: int | None) -> bool:
+    return max_steps is not None and state.step >= max_steps
+
+
+class PeakTracker:
+    """Measured allocator peak of training steps (bytes). CUDA: the allocator's own counter over
+    every step; CPU: the first step is measured with lowmem.memory's tracker (it slows the step)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_bytes: int | None = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def track(self, first_only: bool):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def tracking():
+            if self.device.type == "cuda":
+                yield
+                self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            elif first_only:
+                yield
+            else:
+                try:
+                    from lowmem.memory import track_peak
+                except ImportError:  # TEMP until the profiler lands
+                    yield
+                    return
+
+                with track_peak() as tracker:
+                    yield
+                self.peak_bytes = tracker.peak_bytes
+
+        return tracking()
+
+
+def _build_optimizer(optim_cfg, params: list[nn.Parameter], lr: float, policy: PrecisionPolicy):
+    if optim_cfg.name == "sgd":
+        return LowPrecisionSGD(params, lr=lr, momentum=optim_cfg.momentum, nesterov=optim_cfg.nesterov,
+                               weight_decay=optim_cfg.weight_decay,
+                               stochastic_rounding=policy.stochastic_rounding)
+    return LowPrecisionAdam(params, lr=lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+                            weight_decay=optim_cfg.weight_decay, stochastic_rounding=policy.stochastic_rounding)
+
+
+def build_trainer(cfg: DictConfig, with_data: bool = True) -> Trainer:
+    """Build model, data and techniques from ``cfg``, in the order the techniques require."""
+    validate(cfg)
+    recipe = get_recipe(cfg.recipe)
+    if cfg.data.name not in recipe.data_names:
+        raise ConfigError(f"data={cfg.data.name!r} is not available for recipe {recipe.name}: "
+                          f"choose one of {', '.join(recipe.data_names)}")
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    device = resolve_device(cfg.trainer.device)
+    distributed.check_batch_divisible(cfg.data.batch_size)
+    torch.manual_seed(cfg.trainer.seed)
+    policy = make_policy(cfg.precision.name, device, stochastic_rounding=cfg.precision.stochastic_rounding,
+                         init_scale=cfg.precision.init_scale, growth_interval=cfg.precision.growth_interval)
+
+    # 1. The recipe's model, in FP32, from the seed (the same weights whatever the techniques).
+    model = recipe.build_model(cfg).to(device)
+    defaults = recipe.table_defaults(cfg.sparsity.density)
+    # 2. Sparsity before the precision cast: masks and the sparse init are drawn in FP32, so a
+    #    precision change never changes which weights are active.
+    sparsity = None
+    if cfg.sparsity.density < 1.0:
+        sparsity = DynamicSparsity(
+            model, recipe.sparsifiable_weights(model), cfg.sparsity.density,
+            schedule=recipe.rewire_schedule(cfg), rewire_fraction=cfg.sparsity.rewire_fraction,
+            fraction_mult=_pick(cfg.sparsity.rewire_fraction_mult, defaults.rewire_fraction_mult),
+            freq_mult=_pick(cfg.sparsity.rewire_freq_mult, defaults.rewire_freq_mult),
+            init_threshold=cfg.sparsity.init_threshold, seed=cfg.trainer.seed)
+    # 3. Simulated microbatching replaces BatchNorm modules with per-group ones; it comes before the
+    #    precision cast, which attaches its FP32-normalization hooks to the final modules.
+    if cfg.microbatch.size is not None and microbatch_mode(cfg) == "simulated":
+        apply_simulated_microbatching(model, cfg.microbatch.size)
+    # 4. Precision: 16-bit weights except normalization layers (amp keeps FP32 weights). The
+    #    optimizer, built afterwards, creates its state in each parameter's dtype.
+    convert_model(model, policy)
+    # 5. Checkpointing last among the model transforms: it changes how blocks are *run*, so it
+    #    wraps whatever the blocks have become.
+    if cfg.checkpointing.strategy != "none":
+        apply_checkpointing(model, cfg.checkpointing.strategy, cfg.checkpointing.every)
+    # 6. Data parallel wrapper outermost (it hooks the gradients of the final parameters).
+    model = distributed.wrap_model(model, device, sync_batchnorm=cfg.trainer.sync_batchnorm)
+    data = recipe.build_data(cfg, device, policy.input_dtype) if with_data else None
+    trainer = Trainer(cfg, recipe, model, data, policy, sparsity, defaults, device)
+    if distributed.is_rank0():
+        log.info("recipe %s on %s | %s | density %.3g, lr x%g, rewire fraction x%g, frequency x%g | "
+                 "precision %s | microbatch %s (%s) | checkpointing %s every %d",
+                 recipe.name, device, data.description if data else "no data", cfg.sparsity.density,
+                 trainer.lr_mult, sparsity.fraction_mult if sparsity else defaults.rewire_fraction_mult,
+                 sparsity.freq_mult if sparsity else defaults.rewire_freq_mult, policy.name,
+                 cfg.microbatch.size, microbatch_mode(cfg), cfg.checkpointing.strategy, cfg.checkpointing.every)
+    return trainer
+
+
+def _pick(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def resume_from(trainer: Trainer, resume_dir: str, run_dir: Path) -> None:
+    """Load ``resume_dir/checkpoint.pt``; carry its metrics history over when the run dir is new."""
+    source = Path(resume_dir)
+    path = source / CHECKPOINT
+    if not path.is_file():
+        raise ConfigError(f"trainer.resume={resume_dir!r}: no {CHECKPOINT} there (expected {path})")
+    checkpoint = torch.load(path, map_location=trainer.device, weights_only=True)
+    trainer.load_checkpoint(checkpoint)
+    if distributed.is_rank0() and source.resolve() != run_dir.resolve() and (source / METRICS).is_file():
+        (run_dir / METRICS).write_bytes((source / METRICS).read_bytes())

@@ -1,0 +1,119 @@
+"""The WRN / CIFAR-10 recipe: WideResNet, image data on the device, cross entropy, accuracy.
+
+Per-density defaults follow the report: Table 6 (LR multipliers) and Table 8 (rewiring fraction and
+frequency multipliers). A density between tabulated ones takes the nearest tabulated row.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch import nn
+
+from lowmem.config import ConfigError
+from lowmem.recipe import RecipeData, TechniqueDefaults
+from lowmem.techniques.microbatch import split_by_examples
+from lowmem.techniques.sparsity import WRN_SCHEDULE, RewireSchedule
+from recipes.wrn_cifar.data import DeviceBatches, load_image_dataset
+from recipes.wrn_cifar.model import WideResNet
+
+# density: (LR multiplier [Table 6], rewire fraction multiplier, rewire frequency multiplier [Table 8])
+TABLE_DEFAULTS = {
+    1.0: (0.5, 1.0, 1.0),
+    0.5: (0.5, 4.0, 0.5),
+    0.4: (1.0, 1.0, 2.0),
+    0.3: (1.0, 2.0, 0.5),
+    0.2: (1.0, 2.0, 1.0),
+    0.1: (0.5, 1.0, 0.5),
+    0.05: (0.5, 1.0, 0.25),
+}
+REPORT_EPOCHS = 200  # the rewiring schedule's epochs are stated for a 200-epoch run
+
+
+@dataclass
+class WRNModelConfig:
+    depth: int = 28
+    width: int = 2
+    num_classes: int = 10
+
+
+def nearest_table_row(table: dict[float, tuple], density: float) -> tuple:
+    keys = sorted(table)
+    i = bisect.bisect_left(keys, density)
+    candidates = keys[max(i - 1, 0): i + 1]
+    return table[min(candidates, key=lambda k: abs(k - density))]
+
+
+def model_config(cfg) -> WRNModelConfig:
+    """``model.*`` checked against WRNModelConfig: an unknown key fails naming it."""
+    allowed = {f.name for f in fields(WRNModelConfig)}
+    unknown = set(cfg.model) - allowed
+    if unknown:
+        raise ConfigError(f"model.{sorted(unknown)[0]} is not a knob of recipe wrn_cifar: "
+                          f"allowed model.{{{', '.join(sorted(allowed))}}}")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(WRNModelConfig), cfg.model))
+
+
+class WRNCifarRecipe:
+    name = "wrn_cifar"
+    data_names = ("digits", "cifar10", "fake")
+    primary_metric = "test_acc"
+
+    def build_model(self, cfg) -> nn.Module:
+        m = model_config(cfg)
+        try:
+            return WideResNet(depth=m.depth, width=m.width, num_classes=m.num_classes)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
+
+    def sparsifiable_weights(self, model: nn.Module) -> list[str]:
+        return model.sparsifiable_weights()
+
+    def table_defaults(self, density: float) -> TechniqueDefaults:
+        return TechniqueDefaults(*nearest_table_row(TABLE_DEFAULTS, density))
+
+    def rewire_schedule(self, cfg) -> RewireSchedule:
+        # The schedule's epochs scale with the run length, so a short run keeps its phases.
+        scale = cfg.trainer.epochs / REPORT_EPOCHS
+        return RewireSchedule(starts=tuple(s * scale for s in WRN_SCHEDULE.starts), periods=WRN_SCHEDULE.periods,
+                              stop=WRN_SCHEDULE.stop * scale, unit="epoch")
+
+    def build_data(self, cfg, device: torch.device, input_dtype: torch.dtype) -> RecipeData:
+        options = {k: v for k, v in (("train_size", cfg.data.train_size), ("test_size", cfg.data.test_size))
+                   if v is not None}
+        data = load_image_dataset(cfg.data.name, cfg.data.root, device, **options)
+        train = DeviceBatches(data.train_images, data.train_labels, cfg.data.batch_size, mean=data.mean,
+                              std=data.std, train=True, seed=cfg.trainer.seed, dtype=input_dtype)
+        test = DeviceBatches(data.test_images, data.test_labels, cfg.data.eval_batch_size, mean=data.mean,
+                             std=data.std, train=False, seed=cfg.trainer.seed, dtype=input_dtype)
+        description = (f"{data.name}: {len(data.train_labels)} train / {len(data.test_labels)} test images, "
+                       f"{len(train)} minibatches of {cfg.data.batch_size} per epoch")
+        return RecipeData(train=train, test=test, description=description)
+
+    def batch_size(self, batch) -> int:
+        return int(batch[1].shape[0])
+
+    def split(self, batch, microbatch_size: int) -> Sequence[tuple[tuple, float]]:
+        return split_by_examples(batch, microbatch_size)
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        images, labels = batch
+        return F.cross_entropy(model(images).float(), labels)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, test: DeviceBatches) -> dict[str, float]:
+        correct, loss_sum, count = 0, 0.0, 0
+        for images, labels in test.epoch(0):
+            logits = model(images).float()
+            loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
+            correct += int((logits.argmax(1) == labels).sum())
+            count += int(labels.numel())
+        return {"test_acc": 100.0 * correct / count, "test_loss": loss_sum / count}
+
+
+RECIPE = WRNCifarRecipe()
