@@ -139,37 +139,85 @@ def validate(cfg: DictConfig | Config) -> None:
     _require(cfg.data.batch_size > 0, "data.batch_size", cfg.data.batch_size, "must be a positive integer")
     _require(cfg.data.eval_batch_size > 0, "data.eval_batch_size", cfg.data.eval_batch_size, "must be > 0")
     _require(cfg.trainer.epochs > 0, "trainer.epochs", cfg.trainer.epochs, "must be a positive integer")
-    _require(cfg.trainer.max_steps is None or cfg.trainer.max_steps > 0, "trainer.max_steps",
-             cfg.trainer.max_steps, "must be a positive integer or null")
+    _require(
+        cfg.trainer.max_steps is None or cfg.trainer.max_steps > 0,
+        "trainer.max_steps",
+        cfg.trainer.max_steps,
+        "must be a positive integer or null",
+    )
     _require(cfg.trainer.log_every > 0, "trainer.log_every", cfg.trainer.log_every, "must be > 0")
-    _require(cfg.trainer.progress in ("auto", "bar", "lines", "none"), "trainer.progress",
-             cfg.trainer.progress, "one of auto, bar, lines, none")
+    _require(
+        cfg.trainer.progress in ("auto", "bar", "lines", "none"),
+        "trainer.progress",
+        cfg.trainer.progress,
+        "one of auto, bar, lines, none",
+    )
     device = cfg.trainer.device
-    _require(device in ("auto", "cpu", "cuda") or str(device).startswith("cuda:"), "trainer.device", device,
-             "one of auto, cpu, cuda, cuda:N")
+    _require(
+        device in ("auto", "cpu", "cuda") or str(device).startswith("cuda:"),
+        "trainer.device",
+        device,
+        "one of auto, cpu, cuda, cuda:N",
+    )
     _require(cfg.optim.name in ("sgd", "adam"), "optim.name", cfg.optim.name, "one of sgd, adam")
     _require(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
-    _require(cfg.optim.lr_mult is None or cfg.optim.lr_mult > 0, "optim.lr_mult", cfg.optim.lr_mult,
-             "must be > 0 or null (the recipe's table default)")
-    _require(cfg.optim.schedule in ("multistep", "inverse_sqrt", "constant"), "optim.schedule",
-             cfg.optim.schedule, "one of multistep, inverse_sqrt, constant")
-    _require(0 < cfg.sparsity.density <= 1, "sparsity.density", cfg.sparsity.density,
-             "must be in (0, 1]; 1.0 means dense")
+    _require(
+        cfg.optim.lr_mult is None or cfg.optim.lr_mult > 0,
+        "optim.lr_mult",
+        cfg.optim.lr_mult,
+        "must be > 0 or null (the recipe's table default)",
+    )
+    _require(
+        cfg.optim.schedule in ("multistep", "inverse_sqrt", "constant"),
+        "optim.schedule",
+        cfg.optim.schedule,
+        "one of multistep, inverse_sqrt, constant",
+    )
+    _require(
+        0 < cfg.sparsity.density <= 1,
+        "sparsity.density",
+        cfg.sparsity.density,
+        "must be in (0, 1]; 1.0 means dense",
+    )
     for knob in ("rewire_fraction_mult", "rewire_freq_mult"):
         value = cfg.sparsity[knob] if isinstance(cfg, DictConfig) else getattr(cfg.sparsity, knob)
         _require(value is None or value > 0, f"sparsity.{knob}", value, "must be > 0 or null (table default)")
-    _require(0 < cfg.sparsity.rewire_fraction < 1, "sparsity.rewire_fraction", cfg.sparsity.rewire_fraction,
-             "must be in (0, 1)")
-    _require(cfg.precision.name in ("fp32", "fp16", "bf16", "amp"), "precision", cfg.precision.name,
-             "one of fp32, fp16, bf16, amp")
+    _require(
+        0 < cfg.sparsity.rewire_fraction < 1,
+        "sparsity.rewire_fraction",
+        cfg.sparsity.rewire_fraction,
+        "must be in (0, 1)",
+    )
+    _require(
+        cfg.precision.name in ("fp32", "fp16", "bf16", "amp"),
+        "precision",
+        cfg.precision.name,
+        "one of fp32, fp16, bf16, amp",
+    )
     if cfg.microbatch.size is not None:
-        _require(cfg.microbatch.size > 0, "microbatch.size", cfg.microbatch.size,
-                 "must be a positive integer (examples or tokens) or null")
-        _require(cfg.microbatch.size <= cfg.data.batch_size, "microbatch.size", cfg.microbatch.size,
-                 f"must not exceed data.batch_size={cfg.data.batch_size}")
+        _require(
+            cfg.microbatch.size > 0,
+            "microbatch.size",
+            cfg.microbatch.size,
+            "must be a positive integer (examples or tokens) or null",
+        )
+        _require(
+            cfg.microbatch.size <= cfg.data.batch_size,
+            "microbatch.size",
+            cfg.microbatch.size,
+            f"must not exceed data.batch_size={cfg.data.batch_size}",
+        )
     microbatch_mode(cfg)
-    _require(cfg.checkpointing.strategy in ("none", "no_bn", "residual", "residual_star"),
-             "checkpointing.strategy", cfg.checkpointing.strategy, "one of none, no_bn, residual, residual_star")
-    _require(cfg.checkpointing.every >= 1, "checkpointing.every", cfg.checkpointing.every,
-             "must be an integer >= 1")
+    _require(
+        cfg.checkpointing.strategy in ("none", "no_bn", "residual", "residual_star"),
+        "checkpointing.strategy",
+        cfg.checkpointing.strategy,
+        "one of none, no_bn, residual, residual_star",
+    )
+    _require(
+        cfg.checkpointing.every >= 1,
+        "checkpointing.every",
+        cfg.checkpointing.every,
+        "must be an integer >= 1",
+    )
     _require(cfg.logger.name in ("none", "wandb"), "logger", cfg.logger.name, "one of none, wandb")

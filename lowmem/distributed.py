@@ -49,8 +49,10 @@ def local_device(device: torch.device) -> torch.device:
 def check_batch_divisible(batch_size: int) -> None:
     n = int(os.environ.get("WORLD_SIZE", "1"))
     if batch_size % n != 0:
-        raise ConfigError(f"data.batch_size={batch_size} is the global minibatch and must be divisible by the "
-                          f"number of ranks ({n})")
+        raise ConfigError(
+            f"data.batch_size={batch_size} is the global minibatch and must be divisible by the "
+            f"number of ranks ({n})"
+        )
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:

@@ -27,15 +27,18 @@ class MetricsLog:
         if enabled and logger_cfg.name == "wandb":
             import wandb  # imported only when asked for: it is slow to import
 
-            self._wandb_run = wandb.init(project=logger_cfg.project, mode=logger_cfg.mode, dir=str(run_dir),
-                                         config=config, reinit=True)
+            self._wandb_run = wandb.init(
+                project=logger_cfg.project, mode=logger_cfg.mode, dir=str(run_dir), config=config, reinit=True
+            )
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         append_jsonl(record, self.path)
         if self._wandb_run is not None:
-            numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+            numbers = {
+                k: v for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)
+            }
             self._wandb_run.log(numbers, step=int(record.get("step", 0)))
 
     def close(self) -> None:
@@ -56,7 +59,9 @@ class Progress:
 
     def start_epoch(self, epoch: int, total: int, initial: int = 0) -> None:
         if self.mode == "bar":
-            self._bar = tqdm(total=total, initial=initial, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total, initial=initial, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True
+            )
 
     def step(self, step: int, values: dict[str, float]) -> None:
         text = " ".join(f"{k}={v:.4g}" for k, v in values.items())

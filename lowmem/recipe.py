@@ -61,6 +61,10 @@ class Recipe(Protocol):
 
     def batch_size(self, batch: Any) -> int: ...  # examples (vision) or target tokens (translation)
 
+    def shard(self, batch: Any, rank: int, world_size: int) -> Any:
+        """This rank's share of a global minibatch (data parallel)."""
+        ...
+
     def split(self, batch: Any, microbatch_size: int) -> Sequence[tuple[Any, float]]:
         """Microbatches of ``batch`` with the weight of each (its share of the minibatch's units)."""
         ...

@@ -17,6 +17,7 @@ swaps per block with ``set_norm_relu_conv``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,6 +83,8 @@ def routes_norm_relu_conv(block: nn.Module) -> bool:
 def set_norm_relu_conv(block: nn.Module, compute: NormReluConv) -> None:
     """Make ``block`` compute its norm-ReLU-conv triples with ``compute``."""
     if not routes_norm_relu_conv(block):
-        raise ValueError(f"{type(block).__name__} does not route its norm-ReLU-conv triples through norm_relu_conv")
+        raise ValueError(
+            f"{type(block).__name__} does not route its norm-ReLU-conv triples through norm_relu_conv"
+        )
     # A plain attribute, not a submodule, as for the block executor.
     object.__setattr__(block, "_norm_relu_conv", compute)

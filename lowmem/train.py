@@ -7,6 +7,7 @@ model.pt (plain state_dict), checkpoint.pt (resumable with ``trainer.resume=<run
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -29,14 +30,25 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     trainer = build_trainer(cfg)
     if cfg.trainer.resume:
         resume_from(trainer, cfg.trainer.resume, run_dir)
-        log.info("resumed from %s at epoch %d, step %d", cfg.trainer.resume, trainer.state.epoch,
-                 trainer.state.step)
+        log.info(
+            "resumed from %s at epoch %d, step %d",
+            cfg.trainer.resume,
+            trainer.state.epoch,
+            trainer.state.step,
+        )
     result = trainer.fit(run_dir)
     metric = trainer.recipe.primary_metric
     if distributed.is_rank0():
-        log.info("done: best %s %.4f, final %.4f, %d steps in %.1fs, measured peak %s bytes -> %s",
-                 metric, result[f"best_{metric}"], result[f"final_{metric}"], result["steps"], result["wall_s"],
-                 result["peak_bytes"], run_dir / RESULT)
+        log.info(
+            "done: best %s %.4f, final %.4f, %d steps in %.1fs, measured peak %s bytes -> %s",
+            metric,
+            result[f"best_{metric}"],
+            result[f"final_{metric}"],
+            result["steps"],
+            result["wall_s"],
+            result["peak_bytes"],
+            run_dir / RESULT,
+        )
     return result
 
 
@@ -45,5 +57,19 @@ def main(cfg: DictConfig) -> None:
     run(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
+def quiet_hydra_on_other_ranks() -> None:
+    """Under torchrun only rank 0 owns the run directory: the other ranks write no Hydra files
+    and no log file (their timestamped run directory could even differ by a second)."""
+    if int(os.environ.get("RANK", "0")) > 0:
+        sys.argv = [a for a in sys.argv if not a.startswith("hydra.run.dir=")]
+        sys.argv += [
+            "hydra.output_subdir=null",
+            "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled",
+            "hydra.run.dir=.",
+        ]
+
+
 if __name__ == "__main__":
+    quiet_hydra_on_other_ranks()
     sys.exit(main())

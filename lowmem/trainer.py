@@ -65,9 +65,17 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, recipe: Recipe, model: nn.Module, data: RecipeData | None,
-                 policy: PrecisionPolicy, sparsity: DynamicSparsity | None, defaults: TechniqueDefaults,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: DictConfig,
+        recipe: Recipe,
+        model: nn.Module,
+        data: RecipeData | None,
+        policy: PrecisionPolicy,
+        sparsity: DynamicSparsity | None,
+        defaults: TechniqueDefaults,
+        device: torch.device,
+    ) -> None:
         self.config, self.recipe, self.device, self.policy = cfg, recipe, device, policy
         self.model = model  # possibly DistributedDataParallel-wrapped
         self.data = data
@@ -91,6 +99,16 @@ class Trainer:
         self.model.train()
         for p in self.params:
             p.grad = None
+        # 0. Data parallel: this rank's share of the global minibatch. DDP averages gradients over
+        #    ranks, so a share's loss is weighted by (its units / global units) x ranks: the result is
+        #    the global mean even when shares differ in size (tokens).
+        rank_weight = 1.0
+        if distributed.world_size() > 1:
+            shard = self.recipe.shard(batch, distributed.rank(), distributed.world_size())
+            rank_weight = (
+                self.recipe.batch_size(shard) * distributed.world_size() / self.recipe.batch_size(batch)
+            )
+            batch = shard
         # 1. True microbatching: sequential microbatches, each loss weighted by its share of the
         #    minibatch so the accumulated gradient is the minibatch mean (a short last one is exact).
         #    Data parallel: gradients are all-reduced only on the last microbatch.
@@ -100,10 +118,13 @@ class Trainer:
             parts = [(batch, 1.0)]
         loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
         for index, (part, weight) in enumerate(parts):
-            with no_sync_except_last(self.model, index, len(parts)), autocast_context(self.policy, self.device):
+            with (
+                no_sync_except_last(self.model, index, len(parts)),
+                autocast_context(self.policy, self.device),
+            ):
                 loss = self.recipe.loss(self.model, part)
             # 2. Loss scaling (FP16): gradients stay scaled; the optimizer unscales them in FP32.
-            self.scaler.scale_loss(loss * weight).backward()
+            self.scaler.scale_loss(loss * (weight * rank_weight)).backward()
             loss_total += loss.detach().float() * weight
         # 3. Sparsity: zero gradients at inactive positions (torch.where, so a NaN/inf there
         #    cannot trigger an overflow skip) before the overflow check.
@@ -112,8 +133,11 @@ class Trainer:
         # 4. Overflow check; under data parallelism an overflow on any rank skips the step everywhere.
         overflow = distributed.any_rank(self.scaler.found_overflow(self.params), self.device)
         record: dict[str, Any] = {"loss": float(loss_total), "loss_scale": self.scaler.scale}
-        epoch_position = self.state.epoch + self.state.batch_in_epoch / max(len(self.data.train), 1) \
-            if self.data is not None else float(self.state.epoch)
+        epoch_position = (
+            self.state.epoch + self.state.batch_in_epoch / max(len(self.data.train), 1)
+            if self.data is not None
+            else float(self.state.epoch)
+        )
         if overflow:
             self.state.skipped += 1
         else:
@@ -152,7 +176,9 @@ class Trainer:
                     state.step += 1
                     state.batch_in_epoch += 1
                     if "rewiring" in record:
-                        metrics.log({"step": state.step, "epoch": state.epoch, "rewiring": record.pop("rewiring")})
+                        metrics.log(
+                            {"step": state.step, "epoch": state.epoch, "rewiring": record.pop("rewiring")}
+                        )
                     if state.step % cfg.trainer.log_every == 0 or state.step == max_steps:
                         metrics.log({"step": state.step, "epoch": state.epoch, **record})
                     progress.step(state.step, {"loss": record["loss"], "lr": record.get("lr", 0.0)})
@@ -164,13 +190,22 @@ class Trainer:
                 metric = evaluation[self.recipe.primary_metric]
                 state.best_metric = max(state.best_metric, metric)
                 state.final_metric = metric
-                record = {"epoch": state.epoch, "step": state.step, "updates": state.updates,
-                          "skipped": state.skipped, "train_seconds": round(state.train_seconds, 3),
-                          "peak_bytes": peak.peak_bytes, **evaluation}
+                record = {
+                    "epoch": state.epoch,
+                    "step": state.step,
+                    "updates": state.updates,
+                    "skipped": state.skipped,
+                    "train_seconds": round(state.train_seconds, 3),
+                    "peak_bytes": peak.peak_bytes,
+                    **evaluation,
+                }
                 state.history.append(record)
                 metrics.log(record)
-                progress.end_epoch(f"epoch {state.epoch}: " + " ".join(
-                    f"{k}={v:.4g}" for k, v in evaluation.items()) + f" ({state.train_seconds:.1f}s)")
+                progress.end_epoch(
+                    f"epoch {state.epoch}: "
+                    + " ".join(f"{k}={v:.4g}" for k, v in evaluation.items())
+                    + f" ({state.train_seconds:.1f}s)"
+                )
                 if epoch_finished:
                     state.epoch += 1
                     state.batch_in_epoch = 0
@@ -213,8 +248,10 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "sparsity": self.sparsity.state_dict() if self.sparsity is not None else None,
             "trainer": vars(self.state).copy(),
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            },
             "config": OmegaConf.to_container(self.config, resolve=True),
         }
 
@@ -272,11 +309,22 @@ class PeakTracker:
 
 def _build_optimizer(optim_cfg, params: list[nn.Parameter], lr: float, policy: PrecisionPolicy):
     if optim_cfg.name == "sgd":
-        return LowPrecisionSGD(params, lr=lr, momentum=optim_cfg.momentum, nesterov=optim_cfg.nesterov,
-                               weight_decay=optim_cfg.weight_decay,
-                               stochastic_rounding=policy.stochastic_rounding)
-    return LowPrecisionAdam(params, lr=lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
-                            weight_decay=optim_cfg.weight_decay, stochastic_rounding=policy.stochastic_rounding)
+        return LowPrecisionSGD(
+            params,
+            lr=lr,
+            momentum=optim_cfg.momentum,
+            nesterov=optim_cfg.nesterov,
+            weight_decay=optim_cfg.weight_decay,
+            stochastic_rounding=policy.stochastic_rounding,
+        )
+    return LowPrecisionAdam(
+        params,
+        lr=lr,
+        betas=tuple(optim_cfg.betas),
+        eps=optim_cfg.eps,
+        weight_decay=optim_cfg.weight_decay,
+        stochastic_rounding=policy.stochastic_rounding,
+    )
 
 
 def build_trainer(cfg: DictConfig, with_data: bool = True) -> Trainer:
@@ -284,15 +332,22 @@ def build_trainer(cfg: DictConfig, with_data: bool = True) -> Trainer:
     validate(cfg)
     recipe = get_recipe(cfg.recipe)
     if cfg.data.name not in recipe.data_names:
-        raise ConfigError(f"data={cfg.data.name!r} is not available for recipe {recipe.name}: "
-                          f"choose one of {', '.join(recipe.data_names)}")
+        raise ConfigError(
+            f"data={cfg.data.name!r} is not available for recipe {recipe.name}: "
+            f"choose one of {', '.join(recipe.data_names)}"
+        )
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     device = resolve_device(cfg.trainer.device)
     distributed.check_batch_divisible(cfg.data.batch_size)
     torch.manual_seed(cfg.trainer.seed)
-    policy = make_policy(cfg.precision.name, device, stochastic_rounding=cfg.precision.stochastic_rounding,
-                         init_scale=cfg.precision.init_scale, growth_interval=cfg.precision.growth_interval)
+    policy = make_policy(
+        cfg.precision.name,
+        device,
+        stochastic_rounding=cfg.precision.stochastic_rounding,
+        init_scale=cfg.precision.init_scale,
+        growth_interval=cfg.precision.growth_interval,
+    )
 
     # 1. The recipe's model, in FP32, from the seed (the same weights whatever the techniques).
     model = recipe.build_model(cfg).to(device)
@@ -302,11 +357,16 @@ def build_trainer(cfg: DictConfig, with_data: bool = True) -> Trainer:
     sparsity = None
     if cfg.sparsity.density < 1.0:
         sparsity = DynamicSparsity(
-            model, recipe.sparsifiable_weights(model), cfg.sparsity.density,
-            schedule=recipe.rewire_schedule(cfg), rewire_fraction=cfg.sparsity.rewire_fraction,
+            model,
+            recipe.sparsifiable_weights(model),
+            cfg.sparsity.density,
+            schedule=recipe.rewire_schedule(cfg),
+            rewire_fraction=cfg.sparsity.rewire_fraction,
             fraction_mult=_pick(cfg.sparsity.rewire_fraction_mult, defaults.rewire_fraction_mult),
             freq_mult=_pick(cfg.sparsity.rewire_freq_mult, defaults.rewire_freq_mult),
-            init_threshold=cfg.sparsity.init_threshold, seed=cfg.trainer.seed)
+            init_threshold=cfg.sparsity.init_threshold,
+            seed=cfg.trainer.seed,
+        )
     # 3. Simulated microbatching replaces BatchNorm modules with per-group ones; it comes before the
     #    precision cast, which attaches its FP32-normalization hooks to the final modules.
     if cfg.microbatch.size is not None and microbatch_mode(cfg) == "simulated":
@@ -323,12 +383,22 @@ def build_trainer(cfg: DictConfig, with_data: bool = True) -> Trainer:
     data = recipe.build_data(cfg, device, policy.input_dtype) if with_data else None
     trainer = Trainer(cfg, recipe, model, data, policy, sparsity, defaults, device)
     if distributed.is_rank0():
-        log.info("recipe %s on %s | %s | density %.3g, lr x%g, rewire fraction x%g, frequency x%g | "
-                 "precision %s | microbatch %s (%s) | checkpointing %s every %d",
-                 recipe.name, device, data.description if data else "no data", cfg.sparsity.density,
-                 trainer.lr_mult, sparsity.fraction_mult if sparsity else defaults.rewire_fraction_mult,
-                 sparsity.freq_mult if sparsity else defaults.rewire_freq_mult, policy.name,
-                 cfg.microbatch.size, microbatch_mode(cfg), cfg.checkpointing.strategy, cfg.checkpointing.every)
+        log.info(
+            "recipe %s on %s | %s | density %.3g, lr x%g, rewire fraction x%g, frequency x%g | "
+            "precision %s | microbatch %s (%s) | checkpointing %s every %d",
+            recipe.name,
+            device,
+            data.description if data else "no data",
+            cfg.sparsity.density,
+            trainer.lr_mult,
+            sparsity.fraction_mult if sparsity else defaults.rewire_fraction_mult,
+            sparsity.freq_mult if sparsity else defaults.rewire_freq_mult,
+            policy.name,
+            cfg.microbatch.size,
+            microbatch_mode(cfg),
+            cfg.checkpointing.strategy,
+            cfg.checkpointing.every,
+        )
     return trainer
 
 

@@ -19,16 +19,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SHORT_RUN = ["+recipe=wrn_cifar", "data=digits", "trainer.epochs={epochs}", "optim.milestones=[{m1},{m2}]",
-             "trainer.progress=lines", "trainer.log_every=20"]
+SHORT_RUN = [
+    "+recipe=wrn_cifar",
+    "data=digits",
+    "trainer.epochs={epochs}",
+    "optim.milestones=[{m1},{m2}]",
+    "trainer.progress=lines",
+    "trainer.log_every=20",
+]
 
 
 def configurations(sixteen_bit: str) -> dict[str, list[str]]:
     return {
         "dense FP32 baseline": ["precision=fp32"],
         f"density 0.3 + {sixteen_bit.upper()} + microbatch 10 + residual_star 2": [
-            "sparsity.density=0.3", f"precision={sixteen_bit}", "microbatch.size=10", "microbatch.mode=true",
-            "checkpointing.strategy=residual_star", "checkpointing.every=2"],
+            "sparsity.density=0.3",
+            f"precision={sixteen_bit}",
+            "microbatch.size=10",
+            "microbatch.mode=true",
+            "checkpointing.strategy=residual_star",
+            "checkpointing.every=2",
+        ],
     }
 
 
@@ -64,22 +75,29 @@ def main() -> None:
         result = json.loads((run_dir / "result.json").read_text())
         memory = profile(["+recipe=wrn_cifar", "data=fake", *overrides])
         rows.append((label, memory, result))
-        print(f"   best test accuracy {result['best_test_acc']:.2f}%, final {result['final_test_acc']:.2f}%, "
-              f"{result['wall_s']:.0f}s of training", flush=True)
+        print(
+            f"   best test accuracy {result['best_test_acc']:.2f}%, final {result['final_test_acc']:.2f}%, "
+            f"{result['wall_s']:.0f}s of training",
+            flush=True,
+        )
     print_table(rows)
     print(f"\ndemo wall time {time.perf_counter() - started:.0f}s; run directories under {args.out}")
 
 
 def print_table(rows) -> None:
     base = rows[0][1]["total_bytes"]
-    print("\n| configuration | accounted memory | measured peak (CPU) | reduction | best test acc | final test acc "
-          "| train time |")
+    print(
+        "\n| configuration | accounted memory | measured peak (CPU) | reduction | best test acc "
+        "| final test acc | train time |"
+    )
     print("|---|---|---|---|---|---|---|")
     for label, memory, result in rows:
         peak = memory.get("peak_bytes")
-        print(f"| {label} | {memory['total_bytes'] / 1e6:.1f} MB | "
-              f"{'n/a' if peak is None else f'{peak / 1e6:.1f} MB'} | {base / memory['total_bytes']:.1f}x | "
-              f"{result['best_test_acc']:.2f}% | {result['final_test_acc']:.2f}% | {result['wall_s']:.0f} s |")
+        print(
+            f"| {label} | {memory['total_bytes'] / 1e6:.1f} MB | "
+            f"{'n/a' if peak is None else f'{peak / 1e6:.1f} MB'} | {base / memory['total_bytes']:.1f}x | "
+            f"{result['best_test_acc']:.2f}% | {result['final_test_acc']:.2f}% | {result['wall_s']:.0f} s |"
+        )
 
 
 def _cuda() -> bool:

@@ -20,5 +20,13 @@ def make_config(*overrides: str) -> DictConfig:
         return compose("config", overrides=list(overrides), return_hydra_config=False)
 
 
-TINY_WRN = ("+recipe=wrn_cifar", "data=fake", "model.depth=10", "model.width=1", "data.batch_size=20",
-            "data.train_size=60", "data.test_size=20", "trainer.progress=none")
+TINY_WRN = (
+    "+recipe=wrn_cifar",
+    "data=fake",
+    "model.depth=10",
+    "model.width=1",
+    "data.batch_size=20",
+    "data.train_size=60",
+    "data.test_size=20",
+    "trainer.progress=none",
+)

@@ -25,7 +25,11 @@ def train(run_dir: Path, *overrides: str) -> dict:
 def test_cli_writes_every_run_file(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "lowmem.train", *TINY_WRN, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     for name in (*RUN_FILES, ".hydra/config.yaml"):
         assert (tmp_path / name).exists(), name
@@ -41,7 +45,11 @@ def test_cli_writes_every_run_file(tmp_path):
 def test_cli_bad_batch_size_names_the_knob(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "lowmem.train", *TINY_WRN, "data.batch_size=-3", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode != 0
     assert "data.batch_size=-3" in out.stderr + out.stdout
 
@@ -49,7 +57,9 @@ def test_cli_bad_batch_size_names_the_knob(tmp_path):
 def test_resume_ends_bit_identical_to_an_uninterrupted_run(tmp_path):
     common = ("trainer.epochs=3", "trainer.seed=3")
     train(tmp_path / "full", *common)
-    train(tmp_path / "part", *common, "trainer.max_steps=4")  # stops in the middle of epoch 2 (3 batches/epoch)
+    train(
+        tmp_path / "part", *common, "trainer.max_steps=4"
+    )  # stops in the middle of epoch 2 (3 batches/epoch)
     train(tmp_path / "resumed", *common, f"trainer.resume={tmp_path / 'part'}")
     full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
     resumed = torch.load(tmp_path / "resumed" / "model.pt", weights_only=True)

@@ -186,6 +186,7 @@ class DynamicSparsity:
         self.model = model
         self.schedule = schedule
         self.density = float(density)
+        self.fraction_mult = float(fraction_mult)
         self.freq_mult = float(freq_mult)
         self.threshold = float(init_threshold)
         self.step_count = 0

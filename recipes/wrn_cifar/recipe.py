@@ -19,7 +19,7 @@ from lowmem.config import ConfigError
 from lowmem.recipe import RecipeData, TechniqueDefaults
 from lowmem.techniques.microbatch import split_by_examples
 from lowmem.techniques.sparsity import WRN_SCHEDULE, RewireSchedule
-from recipes.wrn_cifar.data import DeviceBatches, load_image_dataset
+from recipes.wrn_cifar.data import DeviceBatches, evaluation_batches, load_image_dataset, training_batches
 from recipes.wrn_cifar.model import WideResNet
 
 # density: (LR multiplier [Table 6], rewire fraction multiplier, rewire frequency multiplier [Table 8])
@@ -45,7 +45,7 @@ class WRNModelConfig:
 def nearest_table_row(table: dict[float, tuple], density: float) -> tuple:
     keys = sorted(table)
     i = bisect.bisect_left(keys, density)
-    candidates = keys[max(i - 1, 0): i + 1]
+    candidates = keys[max(i - 1, 0) : i + 1]
     return table[min(candidates, key=lambda k: abs(k - density))]
 
 
@@ -54,8 +54,10 @@ def model_config(cfg) -> WRNModelConfig:
     allowed = {f.name for f in fields(WRNModelConfig)}
     unknown = set(cfg.model) - allowed
     if unknown:
-        raise ConfigError(f"model.{sorted(unknown)[0]} is not a knob of recipe wrn_cifar: "
-                          f"allowed model.{{{', '.join(sorted(allowed))}}}")
+        raise ConfigError(
+            f"model.{sorted(unknown)[0]} is not a knob of recipe wrn_cifar: "
+            f"allowed model.{{{', '.join(sorted(allowed))}}}"
+        )
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(WRNModelConfig), cfg.model))
 
 
@@ -80,23 +82,35 @@ class WRNCifarRecipe:
     def rewire_schedule(self, cfg) -> RewireSchedule:
         # The schedule's epochs scale with the run length, so a short run keeps its phases.
         scale = cfg.trainer.epochs / REPORT_EPOCHS
-        return RewireSchedule(starts=tuple(s * scale for s in WRN_SCHEDULE.starts), periods=WRN_SCHEDULE.periods,
-                              stop=WRN_SCHEDULE.stop * scale, unit="epoch")
+        return RewireSchedule(
+            starts=tuple(s * scale for s in WRN_SCHEDULE.starts),
+            periods=WRN_SCHEDULE.periods,
+            stop=WRN_SCHEDULE.stop * scale,
+            unit="epoch",
+        )
 
     def build_data(self, cfg, device: torch.device, input_dtype: torch.dtype) -> RecipeData:
-        options = {k: v for k, v in (("train_size", cfg.data.train_size), ("test_size", cfg.data.test_size))
-                   if v is not None}
+        options = {
+            k: v
+            for k, v in (("train_size", cfg.data.train_size), ("test_size", cfg.data.test_size))
+            if v is not None
+        }
         data = load_image_dataset(cfg.data.name, cfg.data.root, device, **options)
-        train = DeviceBatches(data.train_images, data.train_labels, cfg.data.batch_size, mean=data.mean,
-                              std=data.std, train=True, seed=cfg.trainer.seed, dtype=input_dtype)
-        test = DeviceBatches(data.test_images, data.test_labels, cfg.data.eval_batch_size, mean=data.mean,
-                             std=data.std, train=False, seed=cfg.trainer.seed, dtype=input_dtype)
-        description = (f"{data.name}: {len(data.train_labels)} train / {len(data.test_labels)} test images, "
-                       f"{len(train)} minibatches of {cfg.data.batch_size} per epoch")
+        # Digits are not mirror-symmetric: the data set says whether flips are a valid augmentation.
+        train = training_batches(data, cfg.data.batch_size, seed=cfg.trainer.seed, dtype=input_dtype)
+        test = evaluation_batches(data, cfg.data.eval_batch_size, dtype=input_dtype)
+        description = (
+            f"{data.name}: {len(data.train_labels)} train / {len(data.test_labels)} test images, "
+            f"{len(train)} minibatches of {cfg.data.batch_size} per epoch"
+        )
         return RecipeData(train=train, test=test, description=description)
 
     def batch_size(self, batch) -> int:
         return int(batch[1].shape[0])
+
+    def shard(self, batch, rank: int, world_size: int) -> tuple:
+        share = self.batch_size(batch) // world_size  # the global batch is divisible (checked at start)
+        return tuple(t[rank * share : (rank + 1) * share] for t in batch)
 
     def split(self, batch, microbatch_size: int) -> Sequence[tuple[tuple, float]]:
         return split_by_examples(batch, microbatch_size)
