@@ -118,13 +118,11 @@ class Trainer:
             parts = [(batch, 1.0)]
         loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
         for index, (part, weight) in enumerate(parts):
-            with (
-                no_sync_except_last(self.model, index, len(parts)),
-                autocast_context(self.policy, self.device),
-            ):
-                loss = self.recipe.loss(self.model, part)
-            # 2. Loss scaling (FP16): gradients stay scaled; the optimizer unscales them in FP32.
-            self.scaler.scale_loss(loss * (weight * rank_weight)).backward()
+            with no_sync_except_last(self.model, index, len(parts)):
+                with autocast_context(self.policy, self.device):
+                    loss = self.recipe.loss(self.model, part)
+                # 2. Loss scaling (FP16): gradients stay scaled; the optimizer unscales them in FP32.
+                self.scaler.scale_loss(loss * (weight * rank_weight)).backward()
             loss_total += loss.detach().float() * weight
         # 3. Sparsity: zero gradients at inactive positions (torch.where, so a NaN/inf there
         #    cannot trigger an overflow skip) before the overflow check.
@@ -330,6 +328,11 @@ def _build_optimizer(optim_cfg, params: list[nn.Parameter], lr: float, policy: P
 def build_trainer(cfg: DictConfig, with_data: bool = True) -> Trainer:
     """Build model, data and techniques from ``cfg``, in the order the techniques require."""
     validate(cfg)
+    if cfg.trainer.sync_batchnorm and cfg.microbatch.size is not None and microbatch_mode(cfg) == "simulated":
+        raise ConfigError(
+            "trainer.sync_batchnorm=true cannot be combined with microbatch.mode=simulated "
+            "(simulated microbatching defines per-group statistics; SyncBatchNorm pools all ranks)"
+        )
     recipe = get_recipe(cfg.recipe)
     if cfg.data.name not in recipe.data_names:
         raise ConfigError(
@@ -367,8 +370,8 @@ def build_trainer(cfg: DictConfig, with_data: bool = True) -> Trainer:
             init_threshold=cfg.sparsity.init_threshold,
             seed=cfg.trainer.seed,
         )
-    # 3. Simulated microbatching replaces BatchNorm modules with per-group ones; it comes before the
-    #    precision cast, which attaches its FP32-normalization hooks to the final modules.
+    # 3. Simulated microbatching makes every BatchNorm compute statistics per group of examples
+    #    (in place: same modules, parameters and state-dict keys).
     if cfg.microbatch.size is not None and microbatch_mode(cfg) == "simulated":
         apply_simulated_microbatching(model, cfg.microbatch.size)
     # 4. Precision: 16-bit weights except normalization layers (amp keeps FP32 weights). The

@@ -1,0 +1,237 @@
+"""Activation checkpointing: every strategy reproduces checkpointing.strategy=none exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lowmem.residual import run_residual_blocks
+from lowmem.techniques.checkpointing import apply_checkpointing, validate_checkpointing
+from lowmem.techniques.microbatch import apply_simulated_microbatching
+from recipes.wrn_cifar.model import WideResNet
+
+STRATEGIES = [("no_bn", 1), ("residual", 1), ("residual", 2), ("residual", 5), ("residual_star", 1),
+              ("residual_star", 2), ("residual_star", 4), ("residual_star", 7)]  # fmt: skip
+
+
+def train_steps(
+    model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, steps: int
+) -> list[list[torch.Tensor]]:
+    """Run ``steps`` SGD steps; return every step's parameter gradients."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grads = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs), labels).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+    return grads
+
+
+def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+class SavedTensorPeak:
+    """Peak bytes of distinct storages (parameters excluded) saved for backward and not yet released."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.holders: dict[int, int] = {}  # storage -> number of saved references alive
+        self.current = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor) -> object:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in self.params:
+            return tensor
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if self.holders.get(key, 0) == 0:
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        self.holders[key] = self.holders.get(key, 0) + 1
+        # Autograd drops the packed object when it releases the saved tensor.
+        return _SavedTensor(tensor, lambda: self._release(key, nbytes))
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.holders[key] -= 1
+        if self.holders[key] == 0:
+            self.current -= nbytes
+
+    @staticmethod
+    def unpack(packed: object) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _SavedTensor) else packed
+
+
+class _SavedTensor:
+    def __init__(self, tensor: torch.Tensor, on_release) -> None:
+        self.tensor, self.on_release = tensor, on_release
+
+    def __del__(self) -> None:
+        self.on_release()
+
+
+def saved_tensor_bytes(model: nn.Module, inputs: torch.Tensor) -> int:
+    """Peak saved-tensor bytes of one forward and backward (recomputation included)."""
+    tracker = SavedTensorPeak(model)
+    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+        model(inputs).sum().backward()
+    return tracker.peak
+
+
+@pytest.fixture(scope="module")
+def wrn_data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(8, 3, 32, 32, generator=generator, dtype=torch.float64), torch.arange(8) % 10
+
+
+@pytest.mark.parametrize("depth", [10, 16])
+@pytest.mark.parametrize("strategy,every", STRATEGIES)
+def test_strategy_matches_none_on_wrn(depth, strategy, every, wrn_data):
+    reference = WideResNet(depth=depth, width=1).double()
+    model = copy.deepcopy(reference)
+    apply_checkpointing(model, strategy, every)
+    steps = 3
+    expected = train_steps(reference, *wrn_data, steps)
+    got = train_steps(model, *wrn_data, steps)
+    for step in range(steps):
+        assert max_difference(expected[step], got[step]) <= 1e-12, f"gradients differ at step {step}"
+    for (name, a), b in zip(reference.named_buffers(), model.buffers(), strict=True):
+        if name.endswith("num_batches_tracked"):
+            assert int(b) == steps, f"{name}: BatchNorm updated during recomputation"
+        assert torch.equal(a, b), name
+
+
+def test_state_dict_and_parameter_count_unchanged():
+    model = WideResNet(depth=28, width=2)
+    assert sum(p.numel() for p in model.parameters()) == 1_456_858
+    keys = list(model.state_dict())
+    apply_checkpointing(model, "residual_star", 2)
+    assert list(model.state_dict()) == keys
+
+
+def test_strategies_store_less_and_recompute_only_what_they_should(wrn_data):
+    """Saved bytes shrink in the report's order; FLOPs: no_bn recomputes no convolution, the
+    residual strategies recompute the blocks' forward once."""
+    inputs = wrn_data[0]
+    reference = WideResNet(depth=16, width=1).double()
+
+    def measure(strategy: str, every: int = 1) -> tuple[int, int]:
+        model = copy.deepcopy(reference)
+        apply_checkpointing(model, strategy, every)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            model(inputs).sum().backward()
+        return saved_tensor_bytes(model, inputs), counter.get_total_flops()
+
+    none, no_bn, residual, star = (
+        measure("none"),
+        measure("no_bn"),
+        measure("residual", 2),
+        measure("residual_star", 2),
+    )
+    assert none[0] > 1.9 * no_bn[0] and no_bn[0] > residual[0] > star[0]
+    with torch.no_grad():
+        stem_output = reference.conv1(inputs)
+        with FlopCounterMode(display=False) as counter:
+            run_residual_blocks(reference, stem_output)
+    blocks_forward = counter.get_total_flops()
+    assert no_bn[1] == none[1]
+    assert residual[1] == star[1] == none[1] + blocks_forward
+
+
+def test_autocast_recomputation_matches(wrn_data):
+    """Recomputation runs under the forward's autocast state (CPU bfloat16 here)."""
+    inputs, labels = wrn_data[0].float(), wrn_data[1]
+    reference = WideResNet(depth=10, width=1)
+    results = []
+    for strategy in ("none", "residual_star"):
+        model = copy.deepcopy(reference)
+        apply_checkpointing(model, strategy, 2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(inputs), labels)
+        loss.backward()
+        results.append([p.grad for p in model.parameters()])
+    assert max_difference(*results) == 0.0
+
+
+def test_composes_with_simulated_microbatching(wrn_data):
+    reference = WideResNet(depth=10, width=1).double()
+    apply_simulated_microbatching(reference, 3)
+    model = copy.deepcopy(reference)
+    apply_checkpointing(model, "residual_star", 2)
+    assert (
+        max_difference(train_steps(reference, *wrn_data, 2)[-1], train_steps(model, *wrn_data, 2)[-1])
+        <= 1e-12
+    )
+    assert max_difference(list(reference.buffers()), list(model.buffers())) == 0.0
+
+
+def test_eval_and_no_grad_run_plainly(wrn_data):
+    reference = WideResNet(depth=10, width=1).double().eval()
+    model = copy.deepcopy(reference)
+    apply_checkpointing(model, "residual_star", 2)
+    with torch.no_grad():
+        assert torch.equal(reference(wrn_data[0]), model(wrn_data[0]))
+
+
+class DropoutBlock(nn.Module):
+    """A residual block that reads a context tensor and uses dropout: recomputation must replay RNG."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, scale: float) -> torch.Tensor:
+        return x + scale * F.dropout(torch.tanh(self.linear(x) + memory), p=0.5, training=self.training)
+
+
+class DropoutStack(nn.Module):
+    def __init__(self, width: int = 6, blocks: int = 5) -> None:
+        super().__init__()
+        self.residual_blocks = nn.ModuleList(DropoutBlock(width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return run_residual_blocks(self, x, memory, 0.5)
+
+
+@pytest.mark.parametrize("every", [1, 2, 3, 9])
+def test_residual_replays_dropout_and_reaches_context(every):
+    reference = DropoutStack().double()
+    model = copy.deepcopy(reference)
+    apply_checkpointing(model, "residual", every)
+    inputs, memories = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    results = []
+    for net in (reference, model):
+        x, memory = inputs.clone().requires_grad_(), memories.clone().requires_grad_()
+        torch.manual_seed(3)
+        net(x, memory).pow(2).sum().backward()
+        after = torch.rand(3)  # the recomputation must leave the caller's RNG stream untouched
+        results.append([x.grad, memory.grad, after, *(p.grad for p in net.parameters())])
+    assert max_difference(*results) <= 1e-12
+
+
+@pytest.mark.parametrize("strategy", ["no_bn", "residual_star"])
+def test_blocks_without_norm_protocol_are_rejected(strategy):
+    with pytest.raises(ValueError, match=f"checkpointing.strategy='{strategy}'.*DropoutBlock"):
+        apply_checkpointing(DropoutStack(), strategy)
+
+
+@pytest.mark.parametrize(
+    "strategy,every,message",
+    [("residual_2", 1, r"checkpointing.strategy='residual_2'.*none, no_bn, residual, residual_star"),
+     ("residual", 0, "checkpointing.every=0"), ("residual", 1.5, "checkpointing.every=1.5")],
+)  # fmt: skip
+def test_bad_knobs_are_rejected(strategy, every, message):
+    with pytest.raises(ValueError, match=message):
+        validate_checkpointing(strategy, every)
+
+
+def test_model_without_residual_blocks_is_rejected():
+    apply_checkpointing(nn.Linear(2, 2), "none")  # nothing to do, not an error
+    with pytest.raises(ValueError, match="checkpointing.strategy='residual'.*Linear"):
+        apply_checkpointing(nn.Linear(2, 2), "residual")
