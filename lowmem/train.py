@@ -6,29 +6,76 @@ model.pt (plain state_dict), checkpoint.pt (resumable with ``trainer.resume=<run
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 from pathlib import Path
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lowmem import distributed
-from lowmem.config import register_configs
-from lowmem.run_files import RESULT
+from lowmem.config import ConfigError, register_configs
+from lowmem.run_files import CHECKPOINT, RESULT
 
 log = logging.getLogger("lowmem")
 register_configs()
 
 
+def _comparable(config: dict) -> dict:
+    """A run's configuration without the knobs that do not change what it computes."""
+    config = json.loads(json.dumps(config))
+    for knob in ("resume", "progress", "log_every"):
+        config.get("trainer", {}).pop(knob, None)
+    return config
+
+
+def previous_run(cfg: DictConfig, run_dir: Path) -> str | None:
+    """What ``run_dir`` already holds: "finished", "interrupted" (same configuration) or None.
+
+    A directory holding another configuration's files is refused: nothing already written is
+    overwritten. Re-running a sweep therefore skips finished runs and continues interrupted ones.
+    """
+    if cfg.trainer.resume:
+        return None
+    mine = _comparable(OmegaConf.to_container(cfg, resolve=True))
+    for name, state in ((RESULT, "finished"), (CHECKPOINT, "interrupted")):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        if name == RESULT:
+            theirs = json.loads(path.read_text()).get("config", {})
+        else:
+            theirs = torch.load(path, map_location="cpu", weights_only=True).get("config", {})
+        if _comparable(theirs) != mine:
+            raise ConfigError(
+                f"hydra.run.dir={run_dir} already holds {name} of a different configuration; choose another "
+                f"directory (or trainer.resume={run_dir} to continue that run)"
+            )
+        return state
+    return None
+
+
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     from lowmem.trainer import build_trainer, resolve_device, resume_from
 
+    state = (
+        previous_run(cfg, run_dir)
+        if distributed.is_rank0() or not distributed.launched_by_torchrun()
+        else None
+    )
+    if state == "finished":
+        log.info("%s already holds the finished result of this configuration: skipped", run_dir)
+        return json.loads((run_dir / RESULT).read_text())
     distributed.init_from_environment(resolve_device(cfg.trainer.device))
     trainer = build_trainer(cfg)
-    if cfg.trainer.resume:
+    if state == "interrupted":
+        log.info("%s holds an interrupted run of this configuration: continuing it", run_dir)
+        resume_from(trainer, str(run_dir), run_dir)
+    elif cfg.trainer.resume:
         resume_from(trainer, cfg.trainer.resume, run_dir)
         log.info(
             "resumed from %s at epoch %d, step %d",

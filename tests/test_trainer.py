@@ -111,3 +111,24 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, monkeypatch):
     final = metrics[-1]
     for key in ("test_acc", "test_loss"):
         assert key.encode() in raw and json.dumps(final[key]).encode() in raw, key
+
+
+def test_rerunning_a_finished_run_skips_it_and_another_config_is_refused(tmp_path):
+    first = train(tmp_path / "run", "trainer.max_steps=1")
+    before = (tmp_path / "run" / "model.pt").read_bytes()
+    again = train(tmp_path / "run", "trainer.max_steps=1")
+    assert again["wall_s"] == first["wall_s"] and (tmp_path / "run" / "model.pt").read_bytes() == before
+    with pytest.raises(ConfigError, match="different configuration"):
+        train(tmp_path / "run", "trainer.max_steps=2")
+    assert (tmp_path / "run" / "model.pt").read_bytes() == before
+
+
+def test_an_interrupted_run_is_continued_when_rerun(tmp_path):
+    train(tmp_path / "full", "trainer.epochs=2")
+    train(tmp_path / "run", "trainer.epochs=2")
+    (tmp_path / "run" / "result.json").unlink()  # as if killed after its last checkpoint
+    result = train(tmp_path / "run", "trainer.epochs=2")
+    assert result["steps"] == 6
+    full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
+    rerun = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert all(torch.equal(full[k], rerun[k]) for k in full)
