@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lowmem.config import ConfigError
@@ -74,6 +75,18 @@ class Recipe(Protocol):
         ...
 
     def evaluate(self, model: nn.Module, test: Any) -> dict[str, float]: ...
+
+
+def check_model_knobs(knobs: Any, schema: type, recipe: str) -> dict[str, Any]:
+    """``model.*`` as a plain dict, refusing keys that are not fields of the dataclass ``schema``."""
+    values = OmegaConf.to_container(knobs, resolve=True) if isinstance(knobs, DictConfig) else dict(knobs)
+    allowed = sorted(f.name for f in fields(schema))
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise ConfigError(
+            f"model.{unknown[0]} is not a knob of recipe {recipe}: allowed model.{{{', '.join(allowed)}}}"
+        )
+    return values
 
 
 def get_recipe(name: str) -> Recipe:

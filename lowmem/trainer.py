@@ -8,7 +8,6 @@ optimizer step and rewiring, in that order; ``Trainer.fit`` loops, evaluates, lo
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +57,7 @@ class TrainState:
     skipped: int = 0  # steps skipped for FP16 overflow
     epoch: int = 0  # current epoch
     batch_in_epoch: int = 0  # minibatches of `epoch` already done
-    best_metric: float = -math.inf
+    best_metric: float | None = None  # best of the recipe's primary metric over evaluations
     final_metric: float | None = None
     train_seconds: float = 0.0
     history: list[dict] = field(default_factory=list)  # per-epoch evaluation records
@@ -186,7 +185,9 @@ class Trainer:
                 epoch_finished = state.batch_in_epoch >= len(train)
                 evaluation = self.evaluate()
                 metric = evaluation[self.recipe.primary_metric]
-                state.best_metric = max(state.best_metric, metric)
+                state.best_metric = (
+                    metric if state.best_metric is None else self._better(state.best_metric, metric)
+                )
                 state.final_metric = metric
                 record = {
                     "epoch": state.epoch,
@@ -209,13 +210,41 @@ class Trainer:
                     state.batch_in_epoch = 0
                 if rank0:
                     save_torch(self.checkpoint_state(), run_dir / CHECKPOINT)
+                    self._save_snapshot(run_dir)
+            result = self.result(peak.peak_bytes)
+            # Recipes whose final score needs more than the per-epoch evaluation (BLEU of averaged
+            # snapshots, for translation) compute it here.
+            final_evaluation = getattr(self.recipe, "final_evaluation", None)
+            if final_evaluation is not None and rank0:
+                self.model.eval()
+                with autocast_context(self.policy, self.device):
+                    scores = final_evaluation(self.unwrapped_model, self.data.test, self._snapshots(run_dir))
+                result.update(scores)
+                metrics.log({"step": state.step, "final": scores})
         finally:
             metrics.close()
-        result = self.result(peak.peak_bytes)
         if rank0:
             save_torch(self.unwrapped_model.state_dict(), run_dir / MODEL)
             save_json(result, run_dir / RESULT)
         return result
+
+    def _better(self, a: float, b: float) -> float:
+        return max(a, b) if getattr(self.recipe, "higher_is_better", True) else min(a, b)
+
+    def _snapshots(self, run_dir: Path) -> list[Path]:
+        return sorted((run_dir / "snapshots").glob("step_*.pt"))
+
+    def _save_snapshot(self, run_dir: Path) -> None:
+        """Keep the model after each of the last ``recipe.average_last`` evaluations (translation
+        averages them for its final score)."""
+        keep = getattr(self.recipe, "average_last", 0)
+        if keep <= 0:
+            return
+        save_torch(
+            self.unwrapped_model.state_dict(), run_dir / "snapshots" / f"step_{self.state.step:09d}.pt"
+        )
+        for old in self._snapshots(run_dir)[:-keep]:
+            old.unlink()
 
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
@@ -225,7 +254,7 @@ class Trainer:
     def result(self, peak_bytes: int | None) -> dict[str, Any]:
         state, metric = self.state, self.recipe.primary_metric
         return {
-            f"best_{metric}": state.best_metric if state.best_metric > -math.inf else None,
+            f"best_{metric}": state.best_metric,
             f"final_{metric}": state.final_metric,
             "steps": state.step,
             "updates": state.updates,

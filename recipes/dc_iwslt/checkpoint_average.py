@@ -47,8 +47,10 @@ def average_state_dicts(sources: Sequence[str | PathLike | StateDict]) -> dict[s
             elif sums[name].shape == tensor.shape:
                 sums[name] += tensor.to(torch.float64)
             else:  # checked, because += would broadcast a smaller tensor silently
-                raise ValueError(f"average_state_dicts: {name} has shape {tuple(tensor.shape)} in state dict "
-                                 f"{index}, {tuple(sums[name].shape)} before")
+                raise ValueError(
+                    f"average_state_dicts: {name} has shape {tuple(tensor.shape)} in state dict "
+                    f"{index}, {tuple(sums[name].shape)} before"
+                )
         last = state
     return {
         name: (sums[name] / len(sources)).to(tensor.dtype) if name in sums else tensor.clone()

@@ -91,8 +91,9 @@ class Architecture:
                 raise ValueError(f"model.{knob}={getattr(self, knob)}: must be in [0, 1)")
         for side in ("encoder", "decoder"):
             # Hydra hands lists over as ListConfig; store plain tuples of ints.
-            sizes = _kernel_sizes(f"{side}_kernel_sizes", getattr(self, f"{side}_kernel_sizes"),
-                                  getattr(self, f"{side}_layers"))
+            sizes = _kernel_sizes(
+                f"{side}_kernel_sizes", getattr(self, f"{side}_kernel_sizes"), getattr(self, f"{side}_layers")
+            )
             object.__setattr__(self, f"{side}_kernel_sizes", sizes)
 
 
@@ -103,8 +104,9 @@ def _kernel_sizes(knob: str, sizes: Any, layers: int) -> tuple[int, ...]:
     if len(sizes) == 1:
         sizes = sizes * layers
     if len(sizes) != layers or min(sizes) < 1:
-        raise ValueError(f"model.{knob}={list(sizes)}: need {layers} positive kernel sizes (one per layer) "
-                         "or a single one")
+        raise ValueError(
+            f"model.{knob}={list(sizes)}: need {layers} positive kernel sizes (one per layer) or a single one"
+        )
     return sizes
 
 
@@ -139,8 +141,9 @@ def sinusoidal_positions(positions: torch.Tensor, dim: int, padding_idx: int) ->
     position ``padding_idx`` (padding tokens) maps to zeros. Real tokens count from padding_idx + 1.
     """
     half = dim // 2
-    frequencies = torch.exp(torch.arange(half, dtype=torch.float32, device=positions.device)
-                            * -(math.log(10000.0) / (half - 1)))
+    frequencies = torch.exp(
+        torch.arange(half, dtype=torch.float32, device=positions.device) * -(math.log(10000.0) / (half - 1))
+    )
     angles = positions.to(torch.float32).unsqueeze(-1) * frequencies
     embedding = torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
     if dim % 2 == 1:
@@ -172,12 +175,22 @@ class DynamicConv(nn.Module):
     ``padding_l`` = taps to the left of t: (K - 1) // 2 for the encoder, K - 1 (causal) for the decoder.
     """
 
-    def __init__(self, channels: int, kernel_size: int, num_heads: int, padding_l: int,
-                 weight_softmax: bool = True, weight_dropout: float = 0.0, conv_bias: bool = True) -> None:
+    def __init__(
+        self,
+        channels: int,
+        kernel_size: int,
+        num_heads: int,
+        padding_l: int,
+        weight_softmax: bool = True,
+        weight_dropout: float = 0.0,
+        conv_bias: bool = True,
+    ) -> None:
         super().__init__()
         if channels % num_heads != 0 or not 0 <= padding_l < kernel_size:
-            raise ValueError(f"DynamicConv: need heads ({num_heads}) | channels ({channels}) and "
-                             f"0 <= padding_l ({padding_l}) < kernel_size ({kernel_size})")
+            raise ValueError(
+                f"DynamicConv: need heads ({num_heads}) | channels ({channels}) and "
+                f"0 <= padding_l ({padding_l}) < kernel_size ({kernel_size})"
+            )
         self.channels, self.kernel_size, self.num_heads = channels, kernel_size, num_heads
         self.padding_l = padding_l
         self.weight_softmax, self.weight_dropout = weight_softmax, weight_dropout
@@ -214,8 +227,10 @@ class DynamicConv(nn.Module):
     def step(self, x: torch.Tensor, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One causal step: x [1, B, C] and the last K-1 inputs [K-1, B, C] -> (out [1, B, C], new buffer)."""
         if self.padding_l != self.kernel_size - 1:
-            raise ValueError(f"DynamicConv.step needs a causal convolution (padding_l = kernel_size - 1 = "
-                             f"{self.kernel_size - 1}), got padding_l={self.padding_l}")
+            raise ValueError(
+                f"DynamicConv.step needs a causal convolution (padding_l = kernel_size - 1 = "
+                f"{self.kernel_size - 1}), got padding_l={self.padding_l}"
+            )
         _, B, C = x.shape
         H = self.num_heads
         window = torch.cat([buffer, x], dim=0)  # [K, B, C], oldest first like the kernel taps
@@ -245,8 +260,9 @@ class EncoderDecoderAttention(nn.Module):
         """Encoder output [S, B, d] -> keys and values [B, H, S, d/H] (cached when decoding)."""
         return self._split_heads(self.k_proj(encoder_out)), self._split_heads(self.v_proj(encoder_out))
 
-    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                key_padding_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_padding_mask: torch.Tensor
+    ) -> torch.Tensor:
         """query [T, B, d], keys/values [B, H, S, d/H], key_padding_mask [B, S] (True = pad) -> [T, B, d]."""
         q = self._split_heads(self.q_proj(query) * self.scaling)
         scores = (q @ keys.transpose(-1, -2)).masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
@@ -263,8 +279,9 @@ class _ConvLayer(nn.Module):
         d = arch.embed_dim
         self.arch = arch
         self.linear1 = _linear(d, d)
-        self.conv = DynamicConv(d, kernel_size, arch.heads, padding_l, arch.weight_softmax,
-                                arch.weight_dropout, arch.conv_bias)
+        self.conv = DynamicConv(
+            d, kernel_size, arch.heads, padding_l, arch.weight_softmax, arch.weight_dropout, arch.conv_bias
+        )
         self.linear2 = _linear(d, d)
         self.fc1 = _linear(d, arch.ffn_dim)
         self.fc2 = _linear(arch.ffn_dim, d)
@@ -316,8 +333,13 @@ class DecoderLayer(_ConvLayer):
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
         self.final_layer_norm = nn.LayerNorm(d)
 
-    def forward(self, x: torch.Tensor, encoder_out: torch.Tensor | None, encoder_padding_mask: torch.Tensor,
-                cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        encoder_out: torch.Tensor | None,
+        encoder_padding_mask: torch.Tensor,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
         """Whole target prefixes x [T, B, d] with encoder_out [S, B, d] (``cache`` None), or one step
         x [1, B, d] with ``cache`` (updated in place; ``encoder_out`` unused, its keys/values are
         cached) -> same shape as x. encoder_padding_mask [B, S], True at padding."""
@@ -453,16 +475,20 @@ class DynamicConvModel(nn.Module):
         self.encoder = Encoder(src_vocab, self.arch, padding_idx)
         self.decoder = Decoder(tgt_vocab, self.arch, padding_idx)
 
-    def forward(self, src_tokens: torch.Tensor, src_lengths: torch.Tensor,
-                prev_output_tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, src_tokens: torch.Tensor, src_lengths: torch.Tensor, prev_output_tokens: torch.Tensor
+    ) -> torch.Tensor:
         """src_tokens [B, S], src_lengths [B], prev_output_tokens [B, T] -> logits [B, T, V_tgt]."""
         return self.decoder(prev_output_tokens, self.encoder(src_tokens, src_lengths))
 
     def sparsifiable_weights(self) -> list[str]:
         """What DSR may sparsify (SPEC §3.2): every fully connected weight (the convolutions' kernel
         predictors, attention projections and the output projection included) and the embeddings."""
-        names = [f"{name}.weight" for name, module in self.named_modules()
-                 if isinstance(module, nn.Linear | nn.Embedding)]
+        names = [
+            f"{name}.weight"
+            for name, module in self.named_modules()
+            if isinstance(module, nn.Linear | nn.Embedding)
+        ]
         return names + ["decoder.embed_out"]
 
 

@@ -38,8 +38,9 @@ def _max_lengths(src_lengths: torch.Tensor, max_len_a: float, max_len_b: int) ->
     return [max(1, int(max_len_a * n + max_len_b)) for n in src_lengths.tolist()]
 
 
-def _next_token_log_probs(logits: torch.Tensor, step: int, must_end: torch.Tensor, eos: int,
-                          pad: int) -> torch.Tensor:
+def _next_token_log_probs(
+    logits: torch.Tensor, step: int, must_end: torch.Tensor, eos: int, pad: int
+) -> torch.Tensor:
     """Log-probabilities [N, V] (at least FP32) with the search's rules applied: never pad, no EOS as the
     first token, only EOS where ``must_end`` [N] (the length cap is reached)."""
     dtype = torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
@@ -52,9 +53,17 @@ def _next_token_log_probs(logits: torch.Tensor, step: int, must_end: torch.Tenso
     return torch.where(must_end.unsqueeze(1), eos_only, log_probs)
 
 
-def greedy_decode(model: nn.Module, src_tokens: torch.Tensor, src_lengths: torch.Tensor, *,
-                  max_len_a: float = 1.2, max_len_b: int = 10, bos: int = EOS, eos: int = EOS,
-                  pad: int = PAD) -> list[list[int]]:
+def greedy_decode(
+    model: nn.Module,
+    src_tokens: torch.Tensor,
+    src_lengths: torch.Tensor,
+    *,
+    max_len_a: float = 1.2,
+    max_len_b: int = 10,
+    bos: int = EOS,
+    eos: int = EOS,
+    pad: int = PAD,
+) -> list[list[int]]:
     """The most probable next token at every step. src_tokens [B, S], src_lengths [B] (tokens,
     EOS included) -> one token list per sentence, without the start token and the final EOS.
     ``bos`` is the decoder's first input: fairseq-trained translation models start with EOS."""
@@ -65,8 +74,9 @@ def greedy_decode(model: nn.Module, src_tokens: torch.Tensor, src_lengths: torch
         finished = torch.zeros_like(tokens, dtype=torch.bool)
         outputs = []
         for step in range(int(max_lengths.max()) + 1):
-            log_probs = _next_token_log_probs(model.decoder.step(tokens, state), step, step >= max_lengths,
-                                              eos, pad)
+            log_probs = _next_token_log_probs(
+                model.decoder.step(tokens, state), step, step >= max_lengths, eos, pad
+            )
             tokens = log_probs.argmax(dim=-1).masked_fill(finished, eos)
             outputs.append(tokens)
             finished |= tokens.eq(eos)
@@ -76,9 +86,19 @@ def greedy_decode(model: nn.Module, src_tokens: torch.Tensor, src_lengths: torch
     return [hypothesis[: hypothesis.index(eos)] for hypothesis in hypotheses]
 
 
-def beam_search(model: nn.Module, src_tokens: torch.Tensor, src_lengths: torch.Tensor, *, beam: int = 5,
-                max_len_a: float = 1.2, max_len_b: int = 10, length_penalty: float = 1.0, bos: int = EOS,
-                eos: int = EOS, pad: int = PAD) -> list[list[int]]:
+def beam_search(
+    model: nn.Module,
+    src_tokens: torch.Tensor,
+    src_lengths: torch.Tensor,
+    *,
+    beam: int = 5,
+    max_len_a: float = 1.2,
+    max_len_b: int = 10,
+    length_penalty: float = 1.0,
+    bos: int = EOS,
+    eos: int = EOS,
+    pad: int = PAD,
+) -> list[list[int]]:
     """Beam search; arguments and result as ``greedy_decode`` (``beam=1`` gives the same output).
 
     Hypotheses are ranked by sum(log p) / length**length_penalty (0 = no normalisation).
@@ -99,8 +119,9 @@ def beam_search(model: nn.Module, src_tokens: torch.Tensor, src_lengths: torch.T
         finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
         done = [False] * B
         for step in range(max(max_lengths) + 1):
-            log_probs = _next_token_log_probs(model.decoder.step(prefixes[:, -1], state), step,
-                                              step >= must_end_at, eos, pad)
+            log_probs = _next_token_log_probs(
+                model.decoder.step(prefixes[:, -1], state), step, step >= must_end_at, eos, pad
+            )
             vocab = log_probs.size(-1)
             candidates = (scores.unsqueeze(-1) + log_probs.view(B, beam, vocab)).view(B, beam * vocab)
             top_scores, top_index = candidates.topk(2 * beam, dim=1)  # 2*beam: enough to refill after EOS

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lowmem.config import ConfigError
-from lowmem.recipe import RecipeData, TechniqueDefaults
+from lowmem.recipe import RecipeData, TechniqueDefaults, check_model_knobs
 from lowmem.techniques.microbatch import split_by_examples
 from lowmem.techniques.sparsity import WRN_SCHEDULE, RewireSchedule
 from recipes.wrn_cifar.data import DeviceBatches, evaluation_batches, load_image_dataset, training_batches
@@ -51,13 +51,7 @@ def nearest_table_row(table: dict[float, tuple], density: float) -> tuple:
 
 def model_config(cfg) -> WRNModelConfig:
     """``model.*`` checked against WRNModelConfig: an unknown key fails naming it."""
-    allowed = {f.name for f in fields(WRNModelConfig)}
-    unknown = set(cfg.model) - allowed
-    if unknown:
-        raise ConfigError(
-            f"model.{sorted(unknown)[0]} is not a knob of recipe wrn_cifar: "
-            f"allowed model.{{{', '.join(sorted(allowed))}}}"
-        )
+    check_model_knobs(cfg.model, WRNModelConfig, "wrn_cifar")
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(WRNModelConfig), cfg.model))
 
 
