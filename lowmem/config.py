@@ -17,6 +17,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from lowmem.techniques.precision import PRECISIONS
+
 
 class ConfigError(ValueError):
     """A knob has a value that cannot work; the message names the knob and the allowed values."""
@@ -62,7 +64,7 @@ class SparsityConfig:
 
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"  # fp32 | fp16 | bf16 | amp (chosen with `precision=<name>`)
+    name: str = "fp32"  # fp32 | fp16 | bf16 | amp | fp64 (reference runs) — chosen with `precision=<name>`
     stochastic_rounding: bool = False  # fp16/bf16: stochastic rounding of the weight write-back
     init_scale: float = 65536.0  # fp16: initial dynamic loss scale
     growth_interval: int = 2000  # fp16: clean steps before the loss scale doubles
@@ -189,10 +191,10 @@ def validate(cfg: DictConfig | Config) -> None:
         "must be in (0, 1)",
     )
     _require(
-        cfg.precision.name in ("fp32", "fp16", "bf16", "amp"),
+        cfg.precision.name in PRECISIONS,
         "precision",
         cfg.precision.name,
-        "one of fp32, fp16, bf16, amp",
+        f"one of {', '.join(PRECISIONS)}",
     )
     if cfg.microbatch.size is not None:
         _require(

@@ -71,3 +71,15 @@ def wrap_model(model: nn.Module, device: torch.device, sync_batchnorm: bool = Fa
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     device_ids = [device.index] if device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def check_identical(value: int, what: str, device: torch.device) -> None:
+    """Fail loudly if ``value`` (e.g. a checksum of the sparsity masks) differs between ranks."""
+    if world_size() == 1:
+        return
+    low = torch.tensor([value], dtype=torch.int64, device=device)
+    high = low.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if int(low) != int(high):
+        raise RuntimeError(f"{what} differ between data-parallel ranks (checksums {int(low)} .. {int(high)})")

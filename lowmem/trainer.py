@@ -150,6 +150,7 @@ class Trainer:
                 rewiring = self.sparsity.after_optimizer_step(self.optimizer, epoch_position)
                 if rewiring is not None:
                     record["rewiring"] = rewiring
+                    distributed.check_identical(self.sparsity.mask_checksum(), "sparsity masks", self.device)
         self.scaler.update(overflow)
         record["skipped"] = bool(overflow)
         return record
@@ -412,6 +413,8 @@ def build_trainer(cfg: DictConfig, with_data: bool = True) -> Trainer:
         apply_checkpointing(model, cfg.checkpointing.strategy, cfg.checkpointing.every)
     # 6. Data parallel wrapper outermost (it hooks the gradients of the final parameters).
     model = distributed.wrap_model(model, device, sync_batchnorm=cfg.trainer.sync_batchnorm)
+    if sparsity is not None:
+        distributed.check_identical(sparsity.mask_checksum(), "initial sparsity masks", device)
     data = recipe.build_data(cfg, device, policy.input_dtype) if with_data else None
     trainer = Trainer(cfg, recipe, model, data, policy, sparsity, defaults, device)
     if distributed.is_rank0():

@@ -96,6 +96,7 @@ def test_policies_on_cpu():
         "fp16": (torch.float16, torch.float16, None, True),
         "bf16": (torch.bfloat16, torch.bfloat16, None, False),
         "amp": (torch.float32, torch.float32, torch.bfloat16, False),  # GradScaler on CUDA only
+        "fp64": (torch.float64, torch.float64, None, False),  # the reference for equivalence tests
     }
     assert not make_policy("fp16", CPU).stochastic_rounding  # off by default
 
@@ -481,3 +482,12 @@ def test_short_low_precision_training_decreases_the_loss_like_fp32():
         final[precision] = losses[-1]
     assert final["fp16"] == pytest.approx(final["fp32"], rel=0.05)
     assert final["bf16"] == pytest.approx(final["fp32"], rel=0.05)
+
+
+def test_fp64_reference_casts_everything_and_sgd_updates_in_fp64():
+    model = convert_model(small_model(), make_policy("fp64", CPU))
+    assert all(t.dtype == torch.float64 for t in model.state_dict().values() if t.is_floating_point())
+    optimizer = LowPrecisionSGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 3, 5, 5, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    assert all(optimizer.state[p]["momentum_buffer"].dtype == torch.float64 for p in model.parameters())

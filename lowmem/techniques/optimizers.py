@@ -69,8 +69,8 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
 
 
 def _as_fp32(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor itself if FP32 (so updates land in place), else a temporary FP32 copy."""
-    return tensor if tensor.dtype == torch.float32 else tensor.float()
+    """The tensor itself if FP32 or wider (so updates land in place), else a temporary FP32 copy."""
+    return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
 
 
 def _unscaled_grad(param: torch.Tensor, grad_scale: float) -> torch.Tensor:

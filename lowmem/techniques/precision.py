@@ -9,6 +9,8 @@
 - ``amp``: ``torch.autocast`` over FP32 weights, with torch's ``GradScaler`` on CUDA: the
   conventional peer, kept for side-by-side comparison.
 - ``fp32``: plain.
+- ``fp64``: everything in FP64 — not a memory technique, the reference that equivalence tests
+  (e.g. data parallel vs one process) compare against.
 
 Build order and one training step (the same code for every precision)::
 
@@ -44,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PRECISIONS = ("fp32", "fp16", "bf16", "amp")
+PRECISIONS = ("fp32", "fp16", "bf16", "amp", "fp64")
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -104,6 +106,7 @@ def make_policy(
     device = torch.device(device)
     compute_dtype = {
         "fp32": torch.float32,
+        "fp64": torch.float64,  # reference runs: equivalence tests compare against it
         "fp16": torch.float16,
         "bf16": torch.bfloat16,
         # autocast's usual pairing: FP16 with a loss scaler on CUDA, BF16 (no scaler needed) elsewhere
@@ -115,12 +118,13 @@ def make_policy(
             f"precision.stochastic_rounding=True needs precision=fp16 or bf16 (16-bit weights), "
             f"got precision={name}"
         )
-    if compute_dtype != torch.float32:
+    if compute_dtype in _SIXTEEN_BIT:
         _check_device_runs(name, compute_dtype, device)
+    storage_dtype = compute_dtype if pure_low_precision or name == "fp64" else torch.float32
     return PrecisionPolicy(
         name=name,
-        param_dtype=compute_dtype if pure_low_precision else torch.float32,
-        input_dtype=compute_dtype if pure_low_precision else torch.float32,
+        param_dtype=storage_dtype,
+        input_dtype=storage_dtype,
         autocast_dtype=compute_dtype if name == "amp" else None,
         uses_loss_scaling=compute_dtype == torch.float16,
         stochastic_rounding=stochastic_rounding,
@@ -173,6 +177,8 @@ def convert_model(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
     """
     if policy.param_dtype == torch.float32:
         return model
+    if policy.param_dtype == torch.float64:
+        return model.double()  # a reference run: everything, normalization included, in FP64
     for module in model.modules():
         if isinstance(module, NORMALIZATION_TYPES):
             _cast_own_tensors(module, torch.float32)

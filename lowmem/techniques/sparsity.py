@@ -214,6 +214,14 @@ class DynamicSparsity:
         """Number of active weights (mask True). Just-regrown weights are active but still 0."""
         return sum(int(mask.count_nonzero()) for mask in self.masks.values())
 
+    def mask_checksum(self) -> int:
+        """An exact fingerprint of the masks (sum of active flat positions, layer-weighted): data-parallel
+        ranks compare it after every rewiring."""
+        total = 0
+        for layer, mask in enumerate(self.masks.values(), start=1):
+            total += layer * int(mask.flatten().nonzero().sum())
+        return total
+
     def layer_density(self) -> dict[str, float]:
         """Fraction of active weights per layer."""
         return {name: int(mask.count_nonzero()) / mask.numel() for name, mask in self.masks.items()}
