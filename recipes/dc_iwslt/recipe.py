@@ -1,6 +1,8 @@
 """The DynamicConv / IWSLT'14 recipe: translation model, token batches, label-smoothed loss, BLEU.
 
-Units: ``data.batch_size`` and ``microbatch.size`` are target-side tokens. Per-epoch evaluation is
+Units: ``data.batch_size`` and ``microbatch.size`` are tokens as fairseq's ``--max-tokens`` counts
+them: a sentence pair costs max(source, target) tokens, and B pairs whose costliest costs L take
+B·L (so both padded tensors stay within the limit). The loss is a mean over target tokens. Per-epoch evaluation is
 the validation loss (cheap); at the end the last ``AVERAGE_LAST`` epoch snapshots are averaged and
 the test set is translated with beam search and scored (detokenized sacreBLEU and tokenized BLEU).
 Per-density defaults follow the report's Table 7 (LR) and Table 9 (rewiring fraction/frequency).
@@ -51,12 +53,13 @@ def _corpus(
 ) -> TranslationData:
     # Cached: the model needs the dictionaries before the data is built, and generating the
     # embedded corpus takes seconds.
-    return load_translation_data(name, root, src_lang, tgt_lang, seed=seed, size=size)
+    options = {"test_size": test_size} if test_size is not None else {}
+    return load_translation_data(name, root, src_lang, tgt_lang, seed=seed, size=size, **options)
 
 
 def corpus_of(cfg) -> TranslationData:
     d = cfg.data
-    return _corpus(d.name, d.root, d.src_lang, d.tgt_lang, 0, d.train_size)
+    return _corpus(d.name, d.root, d.src_lang, d.tgt_lang, 0, d.train_size, d.test_size)
 
 
 def architecture(cfg) -> Architecture:
