@@ -2,9 +2,10 @@
 
 Units: ``data.batch_size`` and ``microbatch.size`` are tokens as fairseq's ``--max-tokens`` counts
 them: a sentence pair costs max(source, target) tokens, and B pairs whose costliest costs L take
-B·L (so both padded tensors stay within the limit). The loss is a mean over target tokens. Per-epoch evaluation is
-the validation loss (cheap); at the end the last ``AVERAGE_LAST`` epoch snapshots are averaged and
-the test set is translated with beam search and scored (detokenized sacreBLEU and tokenized BLEU).
+B·L (so both padded tensors stay within the limit). The loss is a mean over target tokens.
+Per-epoch evaluation is the validation loss (cheap); at the end the last ``AVERAGE_LAST`` epoch
+snapshots are averaged and the test set is translated with beam search and scored (detokenized
+sacreBLEU and tokenized BLEU).
 Per-density defaults follow the report's Table 7 (LR) and Table 9 (rewiring fraction/frequency).
 """
 
@@ -49,7 +50,7 @@ BEAM = 5
 
 @functools.lru_cache(maxsize=4)
 def _corpus(
-    name: str, root: str, src_lang: str, tgt_lang: str, seed: int, size: int | None
+    name: str, root: str, src_lang: str, tgt_lang: str, seed: int, size: int | None, test_size: int | None
 ) -> TranslationData:
     # Cached: the model needs the dictionaries before the data is built, and generating the
     # embedded corpus takes seconds.
