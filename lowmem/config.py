@@ -12,6 +12,7 @@ tokens for translation recipes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -118,6 +119,19 @@ class Config:
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="lowmem_schema", node=Config)
+
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+
+def compose(*overrides: str) -> DictConfig:
+    """The configuration ``python -m lowmem.train <overrides>`` would run, for use from Python."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
 
 
 def _require(condition: bool, knob: str, value: Any, allowed: str) -> None:

@@ -4,21 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
-
-from lowmem.config import register_configs
+from lowmem.config import CONF_DIR
+from lowmem.config import compose as make_config
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
-
-register_configs()
-
-
-def make_config(*overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=False)
-
+CONF = CONF_DIR
 
 TINY_WRN = (
     "+recipe=wrn_cifar",
@@ -30,3 +20,5 @@ TINY_WRN = (
     "data.test_size=20",
     "trainer.progress=none",
 )
+
+__all__ = ["CONF", "ROOT", "TINY_WRN", "make_config"]
