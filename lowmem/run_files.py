@@ -48,6 +48,10 @@ def save_torch(obj: Any, path: str | os.PathLike) -> None:
     _atomic_write(Path(path), lambda handle: torch.save(obj, handle))
 
 
+def save_bytes(data: bytes, path: str | os.PathLike) -> None:
+    _atomic_write(Path(path), lambda handle: handle.write(data))
+
+
 def save_json(obj: Any, path: str | os.PathLike) -> None:
     data = (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode()
     _atomic_write(Path(path), lambda handle: handle.write(data))

@@ -25,7 +25,7 @@ log = logging.getLogger("lowmem")
 register_configs()
 
 
-def _comparable(config: dict) -> dict:
+def comparable_config(config: dict) -> dict:
     """A run's configuration without the knobs that do not change what it computes."""
     config = json.loads(json.dumps(config))
     for knob in ("resume", "progress", "log_every"):
@@ -41,7 +41,7 @@ def previous_run(cfg: DictConfig, run_dir: Path) -> str | None:
     """
     if cfg.trainer.resume:
         return None
-    mine = _comparable(OmegaConf.to_container(cfg, resolve=True))
+    mine = comparable_config(OmegaConf.to_container(cfg, resolve=True))
     for name, state in ((RESULT, "finished"), (CHECKPOINT, "interrupted")):
         path = run_dir / name
         if not path.is_file():
@@ -50,7 +50,7 @@ def previous_run(cfg: DictConfig, run_dir: Path) -> str | None:
             theirs = json.loads(path.read_text()).get("config", {})
         else:
             theirs = torch.load(path, map_location="cpu", weights_only=True).get("config", {})
-        if _comparable(theirs) != mine:
+        if comparable_config(theirs) != mine:
             raise ConfigError(
                 f"hydra.run.dir={run_dir} already holds {name} of a different configuration; choose another "
                 f"directory (or trainer.resume={run_dir} to continue that run)"

@@ -1,0 +1,100 @@
+"""The Pareto plot of ``lowmem.report``: metric vs. accounted training memory, like the report's
+Figures 7, 8 and 10.
+
+One marker family per configuration family (sparse / narrow / shallow / dense), error bars of the
+95% confidence interval, the Pareto frontier as a step line with each point numbered by its row in
+the table, the baseline starred. Drawn on an
+Agg canvas (no display, no pyplot global state) and returned as PNG bytes at 150 dpi.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
+
+if TYPE_CHECKING:
+    from lowmem.report import Row
+
+MEGABYTE = 1e6
+DPI = 150
+MARKERS = {"dense": "s", "sparse": "o", "narrow": "^", "shallow": "v"}
+
+
+def plot_pareto(rows: Sequence[Row], metric: str, title: str) -> bytes:
+    """PNG bytes of ``metric`` (mean ± CI) against accounted memory (MB, log scale)."""
+    figure = Figure(figsize=(8, 5.5))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    numbers = {id(row): number for number, row in enumerate(rows, start=1)}  # the table's "#"
+    shown = [row for row in rows if not math.isnan(row.mean)]
+    for index, name in enumerate(sorted({row.family for row in shown})):
+        members = sorted((row for row in shown if row.family == name), key=lambda row: row.memory_bytes)
+        axes.errorbar(
+            [row.memory_bytes / MEGABYTE for row in members],
+            [row.mean for row in members],
+            yerr=[row.half_width or 0.0 for row in members],
+            fmt=MARKERS.get(name, "D"),
+            color=f"C{index}",
+            capsize=3,
+            markersize=6,
+            linestyle="none",
+            label=f"{name} ({len(members)})",
+        )
+    frontier = sorted((row for row in shown if row.pareto), key=lambda row: row.memory_bytes)
+    if frontier:
+        # Post-steps: from each optimal point, its metric is the best reachable until the next
+        # (larger) memory budget.
+        axes.step(
+            [row.memory_bytes / MEGABYTE for row in frontier],
+            [row.mean for row in frontier],
+            where="post",
+            color="black",
+            linewidth=1.2,
+            label="Pareto frontier",
+        )
+        for row in frontier:  # labels would overlap: the number points to the table's row
+            axes.annotate(
+                str(numbers[id(row)]),
+                (row.memory_bytes / MEGABYTE, row.mean),
+                textcoords="offset points",
+                xytext=(5, -11),
+                fontsize=7,
+                color="0.2",
+            )
+    for row in shown:
+        if row.baseline:
+            axes.plot(
+                row.memory_bytes / MEGABYTE,
+                row.mean,
+                marker="*",
+                markersize=16,
+                color="gold",
+                markeredgecolor="black",
+                linestyle="none",
+                label=f"baseline (row {numbers[id(row)]})",
+            )
+    axes.set_xscale("log")
+    # Plain numbers (2, 5, 10, 20, ...) rather than powers of ten: budgets are read off the axis.
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axes.xaxis.set_minor_formatter(FuncFormatter(_two_and_five))
+    axes.set_xlabel("accounted training memory (MB = 1e6 bytes, log scale)")
+    axes.set_ylabel(f"{metric} (mean ± 95% CI over seeds)")
+    axes.set_title(f"{title}\n(numbered: rows of pareto.md on the Pareto frontier)", fontsize=10)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=7, loc="best")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()
+
+
+def _two_and_five(value: float, _position: int) -> str:
+    """Minor tick label on a log axis: only at 2x and 5x a power of ten."""
+    leading = round(value / 10 ** math.floor(math.log10(value)))
+    return f"{value:g}" if leading in (2, 5) else ""
