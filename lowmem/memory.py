@@ -1,0 +1,171 @@
+"""Memory and FLOP profile of a training configuration: the report's accounting and the measured peak.
+
+Two different figures, never mixed (SPEC §4):
+
+- the **accounting** (report §2.2, Appendix B): ``model_bytes`` (parameters, sparse ones as CSR),
+  ``optimizer_bytes`` (gradient + momentum buffers), ``activation_bytes`` (peak of what backward
+  needs, read off the real autograd graph: ``lowmem.memory_activations``), ``total_bytes`` their sum;
+- the **measured peak** ``peak_bytes`` of one real training step on the device
+  (``lowmem.memory_peak``), which also holds temporaries, gradient scratch and everything else.
+
+``flops`` counts one minibatch: forward + backward + recomputation (``torch.utils.flop_counter``).
+
+Usage with your own model and step::
+
+    def run_microbatches():            # forward + backward only, every microbatch of one minibatch
+        for x, y in microbatches:
+            loss_fn(model(x), y).backward()
+
+    def train_step():                  # the whole real step, optimizer included
+        optimizer.zero_grad(); run_microbatches(); optimizer.step()
+
+    report = profile_step(model, optimizer, run_microbatches, train_step, masks=sparsity.masks)
+    print(report.table()); json.dumps(report.to_json())
+
+The accounting and the FLOPs run ``run_microbatches`` on fake tensors (shapes and dtypes, no
+compute: about a second for WRN-28-2), so it must not read tensor values (``.item()``); pass
+``fake=False`` otherwise. Only ``train_step`` computes for real. When microbatches repeat the same
+shapes, pass one ``Microbatch(run, count)`` per distinct shape instead of ``run_microbatches``:
+each is then run once (ten times faster for ten equal microbatches).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from lowmem.memory_activations import ActivationTrace, ActivationTracer, account_activations
+from lowmem.memory_peak import AllocationTracker, PeakMeasurement, count_flops, measure_peak, track_peak
+from lowmem.memory_state import StateBytes, account_state, csr_index_bytes
+
+__all__ = [
+    "ActivationTrace",
+    "ActivationTracer",
+    "AllocationTracker",
+    "MemoryReport",
+    "Microbatch",
+    "PeakMeasurement",
+    "StateBytes",
+    "account_activations",
+    "account_state",
+    "count_flops",
+    "csr_index_bytes",
+    "measure_peak",
+    "profile_step",
+    "track_peak",
+]
+
+MB = 1e6  # the report's megabyte (404.8 MB = 404.8e6 bytes)
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """Forward + backward of one microbatch (``run``), standing for ``count`` microbatches of the
+    minibatch with the same shapes (the same activation memory and FLOPs)."""
+
+    run: Callable[[], object]
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """One configuration's memory (bytes) and FLOPs; see the module docstring for the definitions."""
+
+    model_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    total_bytes: int  # model + optimizer + activation: the report's figure
+    peak_bytes: int | None  # measured; None when no real step was run
+    peak_breakdown: dict[str, int]  # bytes per category at the measured peak
+    peak_location: str  # where the measured peak happened
+    flops: int  # one minibatch: forward + backward + recomputation
+    params: int  # parameters (dense count)
+    nonzero_params: int  # parameters counting only active positions of sparse weights
+    activation_at_peak: dict[str, int]  # saved / recomputed / gradient bytes at the activation peak
+    activation_location: str  # where the activation peak happened
+    activation_stored_before_backward: int  # saved when backward starts (checkpoints only, if any)
+    peak_source: str = ""  # "cuda allocator" or "cpu tensor tracker"
+    seconds: dict[str, float] = field(default_factory=dict)  # time spent per measurement
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        """A readable breakdown, in the report's MB (1e6 bytes)."""
+
+        def mb(value: int | None) -> str:
+            return "n/a" if value is None else f"{value / MB:10.3f} MB"
+
+        active = f"{self.nonzero_params:,} of {self.params:,} weights active"
+        lines = [
+            "accounting (report's definition)",
+            f"  model        {mb(self.model_bytes)}   ({active})",
+            f"  optimizer    {mb(self.optimizer_bytes)}",
+            f"  activations  {mb(self.activation_bytes)}   at {self.activation_location}",
+            *(f"    {name:<11}{mb(value)}" for name, value in self.activation_at_peak.items()),
+            f"    (stored when backward starts: {mb(self.activation_stored_before_backward).strip()})",
+            f"  total        {mb(self.total_bytes)}",
+            f"measured peak ({self.peak_source or 'not measured'})",
+            f"  peak         {mb(self.peak_bytes)}   at {self.peak_location or 'n/a'}",
+            *(f"    {name:<18}{mb(value)}" for name, value in self.peak_breakdown.items() if value),
+            f"flops          {self.flops / 1e9:10.3f} GFLOP  (minibatch: forward + backward + recompute)",
+        ]
+        return "\n".join(lines)
+
+
+def profile_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    microbatches: Callable[[], object] | Sequence[Microbatch],
+    train_step: Callable[[], object] | None = None,
+    *,
+    masks: Mapping[str, torch.Tensor] | None = None,
+    fake: bool = True,
+) -> MemoryReport:
+    """Account, count and (if ``train_step`` is given) measure one training step of ``model``.
+
+    microbatches: forward + backward (no optimizer step) of every microbatch of one minibatch, run
+        one after another, or one ``Microbatch`` per distinct microbatch shape. Activations are one
+        microbatch's (the largest), FLOPs the whole minibatch's.
+    train_step: the complete real step (it runs once and updates the model); None skips the
+        measured peak.
+    masks: sparse weights' bool masks by parameter name (``DynamicSparsity.masks``).
+    """
+    if callable(microbatches):
+        microbatches = [Microbatch(microbatches)]
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    state = account_state(model, optimizer, masks)
+    traces = [(account_activations(m.run, model, fake=fake), m.count) for m in microbatches]
+    activations = max((trace for trace, _ in traces), key=lambda trace: trace.activation_bytes)
+    flops = sum(trace.flops * count for trace, count in traces)
+    seconds["accounting_and_flops"] = time.perf_counter() - started
+    peak = None
+    if train_step is not None:
+        started = time.perf_counter()
+        peak = measure_peak(train_step, model, optimizer)
+        seconds["measured_step"] = time.perf_counter() - started
+    masks = masks or {}
+    params = dict(model.named_parameters())
+    nonzero = sum(int(masks[n].count_nonzero()) if n in masks else p.numel() for n, p in params.items())
+    return MemoryReport(
+        model_bytes=state.model_bytes,
+        optimizer_bytes=state.optimizer_bytes,
+        activation_bytes=activations.activation_bytes,
+        total_bytes=state.model_bytes + state.optimizer_bytes + activations.activation_bytes,
+        peak_bytes=None if peak is None else peak.peak_bytes,
+        peak_breakdown={} if peak is None else peak.breakdown,
+        peak_location="" if peak is None else peak.location,
+        flops=flops,
+        params=sum(p.numel() for p in params.values()),
+        nonzero_params=nonzero,
+        activation_at_peak=activations.at_peak,
+        activation_location=f"{activations.peak_phase}: {activations.peak_location}",
+        activation_stored_before_backward=activations.stored_before_backward,
+        peak_source="" if peak is None else peak.source,
+        seconds={k: round(v, 2) for k, v in seconds.items()},
+    )

@@ -1,0 +1,378 @@
+"""Activation memory by the report's definition, read off the real autograd graph of a step.
+
+Activation bytes (SPEC §4, report §2.2.2 and Appendix B) are the maximum, over the whole forward
+and backward pass, of the bytes alive in three kinds of tensors, each storage counted once:
+
+- saved: what autograd holds for backward (saved tensors), parameters and buffers excluded. A
+  tensor ReLU saves for itself counts 1 bit per element (a sign mask suffices); ops that save
+  nothing (add, view, transpose) count nothing by construction.
+- recomputed: what a checkpoint's backward computes again (outputs of ops run inside a custom
+  ``autograd.Function``'s backward, with or without grad mode), while alive; weight gradients
+  computed there are optimizer memory and are skipped.
+- gradient: gradients with respect to activations (the backward activations), from when a node
+  produces them until their storage dies. Gradients reaching parameters, or tensors computed from
+  parameters alone (``weight.t()``, a cast), are optimizer memory and are not counted.
+
+How: ``saved_tensors_hooks``, active over forward *and* backward, wrap each saved tensor in a handle
+whose death (``weakref.finalize``) marks its release, so recomputation inside backward is seen
+like the original forward. A ``TorchDispatchMode`` sees every op: it registers hooks on the
+autograd nodes of op inputs (their pre- and post-hooks report activation gradients) and counts
+recomputed outputs. Lifetimes are those of the real execution: a tensor held by a Python variable
+inside a custom backward stays counted until released.
+
+Limits: a custom Function must save through ``ctx.save_for_backward`` (a tensor kept as a ``ctx``
+attribute is invisible); non-reentrant ``torch.utils.checkpoint`` installs its own saved-tensor
+hooks, which hide its tensors: use reentrant checkpointing (lowmem's, or ``use_reentrant=True``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import Node
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+# Autograd nodes whose own saved tensor is only needed as a sign mask (1 bit per element).
+_ONE_BIT_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
+# Keys in an autograd node's metadata: hooks registered; output computed from model state alone.
+_HOOKED = "lowmem_activation_hooks"
+_FROM_STATE = "lowmem_from_model_state"
+CATEGORIES = ("saved", "recomputed", "gradient")
+
+
+@dataclass(frozen=True)
+class ActivationTrace:
+    """Activation memory of one forward + backward (bytes, the report's accounting)."""
+
+    activation_bytes: int  # the maximum over the pass of all CATEGORIES together
+    at_peak: dict[str, int]  # bytes per category at that moment
+    max_saved_bytes: int  # maximum of saved + recomputed alone (the end of forward, usually)
+    stored_before_backward: int  # saved bytes when backward starts: the checkpoints, with checkpointing
+    peak_phase: str  # "forward" or "backward"
+    peak_location: str  # last aten op (forward) or the autograd node running (backward)
+    saved_tensors: int  # tensors packed by autograd (parameters and buffers not included)
+    flops: int  # of everything run: forward, backward, recomputation (torch.utils.flop_counter's formulas)
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of the tensor's storage (shared by all its views), valid while the storage lives."""
+    return tensor.untyped_storage()._cdata
+
+
+def held_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the part of the tensor's storage that it spans (the whole tensor for a contiguous
+    one; a microbatch slice of a minibatch counts the microbatch only); bool counts bits."""
+    if tensor.numel() == 0:
+        return 0
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    nbytes = min(span * tensor.element_size(), tensor.untyped_storage().nbytes())
+    return math.ceil(nbytes / 8) if tensor.dtype == torch.bool else nbytes
+
+
+class _Handle:
+    """What autograd stores for a saved tensor while the tracer is on: a detached alias (no
+    reference cycle through ``grad_fn``); its death means autograd released the tensor."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class _Ledger:
+    """Live bytes per category. Each key (a storage, or one ReLU mask) counts once, in the category
+    it first entered with and with the widest view of it seen, until its last holder releases it."""
+
+    def __init__(self, location: Callable[[], tuple[str, str]]) -> None:
+        self.entries: dict[int, list] = {}  # key -> [bytes, holders, category]
+        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.peak_total = self.peak_stored = 0
+        self.at_peak = dict(self.live)
+        self.peak_phase = self.peak_location = ""
+        self.stored_before_backward: int | None = None
+        self._location = location
+
+    def _note_backward_start(self) -> None:
+        if self.stored_before_backward is None and torch._C._current_autograd_node() is not None:
+            self.stored_before_backward = self.live["saved"] + self.live["recomputed"]
+
+    def acquire(self, key: int, nbytes: int, category: str) -> None:
+        self._note_backward_start()
+        entry = self.entries.get(key)
+        if entry is None:
+            self.entries[key] = [nbytes, 1, category]
+            self.live[category] += nbytes
+        else:
+            entry[1] += 1
+            if nbytes <= entry[0]:
+                return
+            # A wider view of a storage already held: the storage counts its widest view.
+            self.live[entry[2]] += nbytes - entry[0]
+            entry[0] = nbytes
+        self.peak_stored = max(self.peak_stored, self.live["saved"] + self.live["recomputed"])
+        total = sum(self.live.values())
+        if total > self.peak_total:
+            self.peak_total, self.at_peak = total, dict(self.live)
+            self.peak_phase, self.peak_location = self._location()
+
+    def release(self, key: int) -> None:
+        self._note_backward_start()
+        entry = self.entries[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.entries[key]
+            self.live[entry[2]] -= entry[0]
+
+
+class ActivationTracer(TorchDispatchMode):
+    """Context manager that accounts the activation memory of the autograd work run inside it.
+
+    exclude: tensors whose storages are model state, not activations (parameters, buffers, masks).
+    Read ``trace`` after the context exits.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.ledger = _Ledger(self._location)
+        self.excluded = {storage_key(t) for t in exclude}
+        # Storages computed from model state alone (parameter views, casts): gradients reaching
+        # them are weight gradients. Grows during the step; entries leave when their storage dies.
+        self.from_state = set(self.excluded)
+        self.saved_tensors = 0
+        self.flops = 0
+        self._mask_keys = itertools.count(-1, -1)  # negative: never a storage key
+        self._last_op = ""
+        self._hooks = contextlib.ExitStack()
+
+    # --- saved tensors --------------------------------------------------------------------------
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Handle:
+        key = storage_key(tensor)
+        if key in self.excluded:
+            return tensor.detach()  # model memory; detached like every packed tensor (no cycle)
+        self.saved_tensors += 1
+        handle = _Handle(tensor.detach())
+        if self._saved_by_relu_itself(tensor):
+            key, nbytes = next(self._mask_keys), math.ceil(tensor.numel() / 8)
+        else:
+            nbytes = held_bytes(tensor)
+        weakref.finalize(handle, self.ledger.release, key)
+        self.ledger.acquire(key, nbytes, "saved")
+        return handle
+
+    @staticmethod
+    def _unpack(packed: torch.Tensor | _Handle) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Handle) else packed
+
+    @staticmethod
+    def _saved_by_relu_itself(tensor: torch.Tensor) -> bool:
+        """True for the ReLU node saving its own output; False for later ops saving that output.
+
+        ReLU saves its result right after attaching its node, before any other op can see the
+        tensor, so the first pack of a tensor whose ``grad_fn`` is a ReLU node is ReLU's own.
+        """
+        node = tensor.grad_fn
+        if node is None or type(node).__name__ not in _ONE_BIT_NODES:
+            return False
+        if getattr(tensor, "_lowmem_relu_node", None) == id(node):
+            return False
+        tensor._lowmem_relu_node = id(node)  # an id, not the node: no reference cycle
+        return True
+
+    # --- every op: gradient hooks, model-state tracking, recomputation ------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        for tensor in inputs:
+            if tensor.grad_fn is not None:
+                self._hook_node(tensor.grad_fn, tensor)
+        out = func(*args, **kwargs)
+        # FLOPs here rather than in a FlopCounterMode, whose module tracker holds tensors (it would
+        # lengthen lifetimes) and would cost a second pass.
+        count_flops = flop_registry.get(func.overloadpacket)
+        if count_flops is not None:
+            self.flops += count_flops(*args, **kwargs, out_val=out)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outputs or func is torch.ops.aten.detach.default:  # the pack hook's own detach
+            return out
+        self._last_op = func.overloadpacket.__name__
+        state_inputs = [t for t in inputs if storage_key(t) in self.from_state]
+        if inputs and len(state_inputs) == len(inputs):
+            for tensor in outputs:
+                self._mark_from_state(tensor)
+        elif isinstance(torch._C._current_autograd_node(), BackwardCFunction):
+            # A custom Function's backward: a checkpoint recomputing. An output shaped like one of
+            # the op's model-state inputs is that input's gradient (optimizer memory).
+            # Ops on activation gradients (the conv backward's, a sum of branch gradients) make
+            # activation gradients.
+            state_shapes = {t.shape for t in state_inputs}
+            category = "gradient" if any(self._category(t) == "gradient" for t in inputs) else "recomputed"
+            for tensor in outputs:
+                if tensor.is_floating_point() and tensor.shape not in state_shapes:
+                    self._track_storage(tensor, category)
+        return out
+
+    def _track_storage(self, tensor: torch.Tensor, category: str) -> None:
+        """Count ``tensor``'s storage (once) in ``category`` until the storage dies."""
+        key = storage_key(tensor)
+        if key in self.from_state or key in self.ledger.entries:
+            return
+        weakref.finalize(tensor.untyped_storage(), self.ledger.release, key)
+        self.ledger.acquire(key, held_bytes(tensor), category)
+
+    def _category(self, tensor: torch.Tensor) -> str | None:
+        entry = self.ledger.entries.get(storage_key(tensor))
+        return None if entry is None else entry[2]
+
+    def _mark_from_state(self, tensor: torch.Tensor) -> None:
+        key = storage_key(tensor)
+        if key not in self.from_state:
+            self.from_state.add(key)
+            weakref.finalize(tensor.untyped_storage(), self.from_state.discard, key)
+
+    def _hook_node(self, node: Node, output: torch.Tensor) -> None:
+        """Register the gradient hooks on ``node``, whose ``output`` an op is now reading."""
+        metadata = node.metadata
+        if _HOOKED in metadata:
+            return
+        metadata[_HOOKED] = True
+        metadata[_FROM_STATE] = storage_key(output) in self.from_state
+        # Which inputs of the node are activations (their gradients are backward activations).
+        # Computed now so that the hooks hold no reference to the node (that would be a cycle).
+        is_activation = tuple(
+            next_node is not None and not self._outputs_model_state(next_node)
+            for next_node, _ in node.next_functions
+        )
+        track = self._track_storage
+
+        def after(grad_inputs, grad_outputs):
+            for grad, activation in zip(grad_inputs, is_activation, strict=False):
+                if grad is not None and activation:
+                    track(grad, "gradient")
+
+        def before(grad_outputs):
+            for grad in grad_outputs:
+                if grad is not None:
+                    track(grad, "gradient")
+
+        if not metadata[_FROM_STATE]:
+            node.register_prehook(before)
+        node.register_hook(after)
+
+    def _outputs_model_state(self, node: Node) -> bool:
+        """True if the gradient ``node`` receives is a weight gradient: ``node`` accumulates into
+        model state, or its output was computed from model state alone (``weight.t()``, a cast)."""
+        if type(node).__name__ == "AccumulateGrad":
+            return storage_key(node.variable) in self.from_state
+        return node.metadata.get(_FROM_STATE, False)
+
+    def _location(self) -> tuple[str, str]:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return "backward", node.name()
+        return "forward", self._last_op
+
+    # --- context --------------------------------------------------------------------------------
+    def __enter__(self) -> ActivationTracer:
+        self._hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._hooks.close()
+
+    @property
+    def trace(self) -> ActivationTrace:
+        ledger = self.ledger
+        return ActivationTrace(
+            activation_bytes=ledger.peak_total,
+            at_peak=dict(ledger.at_peak),
+            max_saved_bytes=ledger.peak_stored,
+            stored_before_backward=ledger.stored_before_backward or 0,
+            peak_phase=ledger.peak_phase,
+            peak_location=ledger.peak_location,
+            saved_tensors=self.saved_tensors,
+            flops=self.flops,
+        )
+
+
+# --- running a step without computing ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fake_model(model: nn.Module, mode: FakeTensorMode) -> Iterator[None]:
+    """Swap ``model``'s parameters and buffers for fake tensors of ``mode`` (same shapes, dtypes,
+    devices, no data), restoring the real ones on exit. Tied parameters stay tied."""
+    originals: list[tuple[dict, str, torch.Tensor]] = []
+    fakes: dict[int, torch.Tensor] = {}
+    try:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, tensor in list(table.items()):
+                    if tensor is None:
+                        continue
+                    if id(tensor) not in fakes:
+                        fake = mode.from_tensor(tensor)
+                        if isinstance(tensor, nn.Parameter):
+                            fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                        fakes[id(tensor)] = fake
+                    originals.append((table, name, tensor))
+                    table[name] = fakes[id(tensor)]
+        yield
+    finally:
+        for table, name, tensor in originals:
+            table[name] = tensor
+
+
+@contextlib.contextmanager
+def maybe_fake(model: nn.Module | None, fake: bool) -> Iterator[None]:
+    """Run the body on fake tensors (shapes and dtypes, no data, no compute) when ``fake``.
+
+    ``model``'s parameters and buffers are swapped for fake ones; other tensors the body reads
+    stay real and are converted on use.
+    """
+    if not fake:
+        yield
+        return
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with contextlib.ExitStack() as stack:
+        if model is not None:
+            stack.enter_context(fake_model(model, mode))
+        stack.enter_context(mode)
+        yield
+
+
+def model_state(model: nn.Module | None) -> list[torch.Tensor]:
+    """The model's parameters and buffers (model memory, never activations)."""
+    return [] if model is None else [*model.parameters(), *model.buffers()]
+
+
+def account_activations(
+    run_step: Callable[[], None],
+    model: nn.Module | None = None,
+    *,
+    fake: bool = True,
+) -> ActivationTrace:
+    """Activation memory (and FLOPs) of ``run_step``: forward + backward of one microbatch, or of
+    several microbatches run one after another (the maximum over time is then one microbatch's).
+
+    model: its parameters and buffers are not activations; with ``fake`` they are swapped for fake
+        tensors, so the step runs without computing (about a second for WRN-28-2, whose FP16 CPU
+        convolutions would take ~20 s). ``run_step`` must then not read tensor values (no
+        ``.item()``, no data-dependent control flow); pass ``fake=False`` for such a step.
+    """
+    with maybe_fake(model, fake):
+        tracer = ActivationTracer(exclude=model_state(model))
+        with tracer:
+            run_step()
+    return tracer.trace

@@ -1,0 +1,297 @@
+"""Measured memory of one real training step, and its FLOPs — separate from the report's accounting.
+
+The measured peak is what decides whether a run fits (SPEC §4): on CUDA the allocator's own
+``torch.cuda.max_memory_allocated``; on CPU, where the allocator keeps no statistics, the peak of
+live tensor storages seen by ``AllocationTracker`` (a ``TorchDispatchMode``: every op's output
+storage counts from its creation until it dies, on top of every tensor alive when the step
+starts). Kernel-internal scratch buffers that never become tensors are not seen on CPU. Both
+report a breakdown at the peak moment and where it happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from lowmem.memory_activations import storage_key
+
+# Categories of the breakdown, in display order.
+PEAK_CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "saved_activations",
+    "other_state",
+    "temporary",
+)
+
+
+@dataclass(frozen=True)
+class PeakMeasurement:
+    """The measured peak of one step (bytes) and what was alive then."""
+
+    peak_bytes: int  # CUDA: max_memory_allocated; CPU: the tracker's peak of live tensor bytes
+    breakdown: dict[str, int]  # PEAK_CATEGORIES -> bytes at the tracker's peak
+    location: str  # "<phase>: <module or autograd node> / <aten op>" at the tracker's peak
+    start_bytes: int  # live tensor bytes when the step started
+    source: str  # "cuda allocator" or "cpu tensor tracker"
+
+
+@dataclass
+class _Storage:
+    nbytes: int
+    category: str
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Context manager tracking live tensor storages on ``device`` and their peak (bytes).
+
+    model, optimizer: name what lives at the start (parameters, gradients, optimizer state) and
+    let the tracker recategorise storages as the step creates gradients and optimizer state.
+    Storages autograd saves for backward become ``saved_activations``; everything else created
+    during the step is ``temporary`` (unsaved forward outputs, activation gradients, scratch).
+    Tensors alive at the start that are none of these (buffers, masks, data) are ``other_state``.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        super().__init__()
+        self.device, self.model, self.optimizer = torch.device(device), model, optimizer
+        self.live = dict.fromkeys(PEAK_CATEGORIES, 0)
+        self.peak_bytes = self.start_bytes = 0
+        self.breakdown: dict[str, int] = {}
+        self.location = ""
+        self._storages: dict[int, _Storage] = {}
+        self._context = contextlib.ExitStack()
+        self._modules: list[str] = []
+        self._module_names: dict[int, str] = {}
+        self._in_optimizer = False
+        self._op = ""
+
+    # --- bookkeeping ----------------------------------------------------------------------------
+    def _add(self, tensor: torch.Tensor, category: str, recategorise: bool = False) -> None:
+        if not self._on_device(tensor) or isinstance(tensor, FakeTensor):
+            return
+        key = storage_key(tensor)
+        entry = self._storages.get(key)
+        if entry is not None:
+            if recategorise and entry.category != category:
+                self.live[entry.category] -= entry.nbytes
+                self.live[category] += entry.nbytes
+                entry.category = category
+            return
+        storage = tensor.untyped_storage()
+        self._storages[key] = _Storage(storage.nbytes(), category)
+        self.live[category] += storage.nbytes()
+        weakref.finalize(storage, self._remove, key)
+        self._update_peak()
+
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        device = tensor.device  # "cuda" means the current CUDA device: compare types, then indices
+        if device.type != self.device.type:
+            return False
+        return self.device.index is None or device.index is None or device.index == self.device.index
+
+    def _remove(self, key: int) -> None:
+        entry = self._storages.pop(key)
+        self.live[entry.category] -= entry.nbytes
+
+    def _update_peak(self) -> None:
+        total = sum(self.live.values())
+        if total > self.peak_bytes:
+            self.peak_bytes, self.breakdown = total, dict(self.live)
+            self.location = self._where()
+
+    def _where(self) -> str:
+        """ "<phase>: <module or autograd node> / <op>"; phase is forward (inside a module),
+        backward, optimizer (inside ``optimizer.step``) or step (anywhere else)."""
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return f"backward: {node.name()} / {self._op}"
+        if self._in_optimizer:
+            return f"optimizer: {self._op}"
+        if self._modules:
+            return f"forward: {self._modules[-1]} / {self._op}"
+        return f"step: {self._op}"
+
+    def _start(self) -> None:
+        """Count every tensor alive now, categorised by what the model and optimizer say it is."""
+        known: list[tuple[Iterable[torch.Tensor], str]] = []
+        if self.model is not None:
+            params = list(self.model.parameters())
+            known += [(params, "parameters"), ([p.grad for p in params if p.grad is not None], "gradients")]
+        if self.optimizer is not None:
+            known.append((_optimizer_tensors(self.optimizer), "optimizer_state"))
+        for tensors, category in known:
+            for tensor in tensors:
+                self._add(tensor, category)
+        gc.collect()
+        for tensor in _live_tensors():
+            self._add(tensor, "other_state")
+        self.start_bytes = sum(self.live.values())
+
+    # --- events ---------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is not torch.ops.aten.detach.default:
+            self._op = func.overloadpacket.__name__
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._add(tensor, "temporary")
+        return out
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._add(tensor, "saved_activations", recategorise=self._category(tensor) == "temporary")
+        return tensor.detach()  # not the tensor itself: that would make a cycle through grad_fn
+
+    def _category(self, tensor: torch.Tensor) -> str | None:
+        entry = self._storages.get(storage_key(tensor))
+        return entry.category if entry is not None else None
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self._add(param.grad, "gradients", recategorise=True)
+
+    def _optimizer_pre(self, *_) -> None:
+        self._in_optimizer = True
+
+    def _optimizer_post(self, optimizer, *_) -> None:
+        for tensor in _optimizer_tensors(optimizer):
+            self._add(tensor, "optimizer_state", recategorise=True)
+        self._in_optimizer = False
+
+    def _module_pre(self, module: nn.Module, *_) -> None:
+        self._modules.append(self._module_names.get(id(module), type(module).__name__))
+
+    def _module_post(self, *_) -> None:
+        if self._modules:
+            self._modules.pop()
+
+    # --- context --------------------------------------------------------------------------------
+    def __enter__(self) -> AllocationTracker:
+        hooks = self._context
+        if self.model is not None:
+            self._module_names = {id(m): name or type(m).__name__ for name, m in self.model.named_modules()}
+            for param in self.model.parameters():
+                if param.requires_grad:
+                    hooks.callback(param.register_post_accumulate_grad_hook(self._gradient_ready).remove)
+        if self.optimizer is not None:
+            hooks.callback(self.optimizer.register_step_pre_hook(self._optimizer_pre).remove)
+            hooks.callback(self.optimizer.register_step_post_hook(self._optimizer_post).remove)
+        hooks.callback(nn.modules.module.register_module_forward_pre_hook(self._module_pre).remove)
+        hooks.callback(nn.modules.module.register_module_forward_hook(self._module_post).remove)
+        hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        self._start()
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._context.close()
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def _live_tensors() -> list[torch.Tensor]:
+    """Every tensor Python can reach (the CPU analogue of the allocator's allocated set)."""
+    with warnings.catch_warnings():  # isinstance on lazy deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def track_peak(
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: torch.device | str | None = None,
+) -> Iterator[AllocationTracker]:
+    """Track the live tensor bytes of the code run inside; read ``.peak_bytes`` afterwards."""
+    if device is None:
+        device = next(model.parameters()).device if model is not None else torch.device("cpu")
+    with AllocationTracker(device, model, optimizer) as tracker:
+        yield tracker
+
+
+class Fp32ConvolutionBackward(TorchDispatchMode):
+    """Compute FP16 ``convolution_backward`` on CPU in FP32 and round the results to FP16.
+
+    Torch's CPU FP16 convolution backward is a reference kernel (~75 s for one WRN-28-2 backward
+    at batch 10, against ~0.5 s in FP32). Under an ``AllocationTracker`` entered after this mode,
+    the tracker sees the same op with the same FP16 outputs, so the measured tensors are those of
+    the native kernel; only the arithmetic differs (FP32 accumulation, one rounding). Other FP16
+    CPU kernels are within a few times of FP32 and run natively.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.convolution_backward.default and _is_cpu_half(args[0]):
+            grad_output, inputs, weight = (t.float() for t in args[:3])
+            grads = func(grad_output, inputs, weight, *args[3:], **kwargs)
+            return tuple(None if g is None else g.to(args[0].dtype) for g in grads)
+        return func(*args, **kwargs)
+
+
+def _is_cpu_half(tensor: torch.Tensor) -> bool:
+    return tensor.dtype == torch.float16 and tensor.device.type == "cpu"
+
+
+def measure_peak(
+    train_step: Callable[[], object],
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    fp32_conv_backward_on_cpu: bool = True,
+) -> PeakMeasurement:
+    """Run ``train_step`` once for real and measure its memory peak on the model's device.
+
+    The step runs for real: it updates the weights and every other piece of training state.
+    fp32_conv_backward_on_cpu: see ``Fp32ConvolutionBackward`` (no effect on CUDA or in FP32).
+    """
+    device = next(model.parameters()).device if model is not None else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    emulation = Fp32ConvolutionBackward() if fp32_conv_backward_on_cpu and device.type == "cpu" \
+        else contextlib.nullcontext()
+    with emulation, track_peak(model, optimizer, device) as tracker:
+        train_step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return PeakMeasurement(
+            int(torch.cuda.max_memory_allocated(device)),
+            tracker.breakdown,
+            tracker.location,
+            tracker.start_bytes,
+            "cuda allocator",
+        )
+    return PeakMeasurement(
+        tracker.peak_bytes, tracker.breakdown, tracker.location, tracker.start_bytes, "cpu tensor tracker"
+    )
+
+
+def count_flops(run_step: Callable[[], object]) -> int:
+    """FLOPs (multiply and add counted separately) of everything ``run_step`` runs: forward,
+    backward and any recomputation, as ``torch.utils.flop_counter`` counts them (matrix products
+    and convolutions; elementwise ops are not counted)."""
+    with FlopCounterMode(display=False) as counter:
+        run_step()
+    return counter.get_total_flops()

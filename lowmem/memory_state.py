@@ -1,0 +1,105 @@
+"""Model and optimizer memory by the report's definition (SPEC §4, report §2.2 and §3.1).
+
+- model bytes: every parameter, dense as ``numel · element_size``; a sparse (masked) weight as CSR
+  of its ``rows × columns`` matrix, ``rows = shape[0]`` and ``columns = prod(shape[1:])`` (a conv
+  weight ``co × ci × k1 × k2`` becomes ``co × (ci·k1·k2)``): value bits per nonzero, plus
+  ⌈log2(columns)⌉ bits per column index, plus ``rows + 1`` row pointers of
+  ``ROW_POINTER_BITS`` bits.
+- optimizer bytes: one gradient buffer per trainable parameter plus its momentum buffers
+  (SGD with momentum: 1, Adam: 2). For a sparse weight they hold only the nonzero values: they share
+  the weight's index arrays (DSR resets momentum at inactive positions, report §3.1).
+
+Buffers (BatchNorm running statistics) and scalar optimizer bookkeeping (step counts, per-tensor
+scales) are not counted: the report counts parameters and parameter-shaped buffers only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+# Row pointers index into the nonzeros; 32 bits is the usual CSR choice (cuSPARSE, MKL, torch's
+# int32 CSR) and holds any layer of up to 2**32 nonzeros. Their cost is (rows + 1) · 4 bytes per
+# sparse tensor: about 10 KB over WRN-28-2's 24 sparse convolutions.
+ROW_POINTER_BITS = 32
+
+
+class StateBytes(NamedTuple):
+    """Model and optimizer memory in bytes (report's accounting)."""
+
+    model_bytes: int  # parameters: values, plus CSR indices of sparse weights
+    optimizer_bytes: int  # gradient buffers + momentum buffers (values only for sparse weights)
+
+
+def csr_index_bytes(shape: torch.Size | tuple[int, ...], nonzeros: int) -> int:
+    """Bytes of the CSR index arrays (column indices + row pointers) of a tensor of ``shape``.
+
+    The tensor is viewed as a ``shape[0] × prod(shape[1:])`` matrix; each column index takes
+    ⌈log2(columns)⌉ bits and each of the ``rows + 1`` row pointers ``ROW_POINTER_BITS`` bits.
+    Bits are summed over the tensor and rounded up to whole bytes once.
+    """
+    rows = shape[0] if len(shape) > 0 else 1
+    columns = math.prod(shape[1:]) if len(shape) > 1 else 1
+    column_bits = (columns - 1).bit_length()  # = ceil(log2(columns)) for columns >= 1
+    return math.ceil((nonzeros * column_bits + (rows + 1) * ROW_POINTER_BITS) / 8)
+
+
+def momentum_buffers(optimizer: torch.optim.Optimizer | None) -> int:
+    """Parameter-shaped state tensors the optimizer keeps per parameter: Adam-like (``betas``) 2,
+    SGD with nonzero ``momentum`` 1, otherwise (plain SGD, no optimizer) 0."""
+    if optimizer is None:
+        return 0
+    if "betas" in optimizer.defaults:
+        return 2
+    return 1 if optimizer.defaults.get("momentum", 0) else 0
+
+
+def _state_buffers(optimizer: torch.optim.Optimizer | None, param: torch.Tensor) -> list[torch.Tensor] | None:
+    """The optimizer's parameter-shaped state tensors of ``param``; None before its first step."""
+    if optimizer is None or param not in optimizer.state or not optimizer.state[param]:
+        return None
+    return [
+        v for v in optimizer.state[param].values() if isinstance(v, torch.Tensor) and v.shape == param.shape
+    ]
+
+
+def account_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    masks: Mapping[str, torch.Tensor] | None = None,
+) -> StateBytes:
+    """Model and optimizer bytes of ``model`` trained with ``optimizer``.
+
+    masks: bool tensors (True = active) keyed by names from ``model.named_parameters()``, e.g.
+        ``DynamicSparsity.masks``; those weights are counted as CSR.
+    optimizer: its existing state tensors are counted in their own dtype; before the optimizer's
+        first step (no state yet) the momentum buffers are counted by the optimizer's kind
+        (``momentum_buffers``) in the parameter's dtype. None: gradients only.
+    """
+    masks = dict(masks or {})
+    params = dict(model.named_parameters())
+    unknown = sorted(set(masks) - set(params))
+    if unknown:
+        raise KeyError(f"masks name weights that {type(model).__name__} does not have: {', '.join(unknown)}")
+    model_bytes = optimizer_bytes = 0
+    for name, param in params.items():
+        mask = masks.get(name)
+        nonzeros = param.numel() if mask is None else int(mask.count_nonzero())
+        model_bytes += nonzeros * param.element_size()
+        if mask is not None:
+            model_bytes += csr_index_bytes(param.shape, nonzeros)
+        if not param.requires_grad:
+            continue
+        grad_size = param.grad.element_size() if param.grad is not None else param.element_size()
+        buffers = _state_buffers(optimizer, param)
+        buffer_sizes = (
+            [b.element_size() for b in buffers]
+            if buffers is not None
+            else [param.element_size()] * momentum_buffers(optimizer)
+        )
+        optimizer_bytes += nonzeros * (grad_size + sum(buffer_sizes))
+    return StateBytes(model_bytes, optimizer_bytes)

@@ -1,0 +1,402 @@
+"""The memory profiler: the report's accounting (exact on toy graphs, Table 3's baseline on
+WRN-28-2), the measured peak and the FLOP count."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lowmem.memory import (
+    ActivationTrace,
+    Microbatch,
+    account_activations,
+    account_state,
+    count_flops,
+    csr_index_bytes,
+    measure_peak,
+    profile_step,
+)
+from lowmem.memory_activations import maybe_fake
+from lowmem.memory_peak import Fp32ConvolutionBackward
+from lowmem.techniques.checkpointing import apply_checkpointing
+from recipes.wrn_cifar.model import WideResNet
+from tests.helpers import ROOT, TINY_WRN
+
+F32 = 4  # bytes per FP32 element
+
+
+# --- model and optimizer memory -----------------------------------------------------------------
+
+
+def test_csr_bytes_of_a_masked_conv_by_hand():
+    conv = nn.Conv2d(3, 4, 3, bias=False)  # a 4 x 27 matrix: column indices need ceil(log2 27) = 5 bits
+    mask = torch.zeros(conv.weight.shape, dtype=torch.bool)
+    mask.view(-1)[torch.randperm(108)[:10]] = True
+    # 10 values + (10 column indices x 5 bits + 5 row pointers x 32 bits = 210 bits -> 27 bytes)
+    assert csr_index_bytes(conv.weight.shape, 10) == 27
+    sgd = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9)
+    # The gradient and the momentum share the weight's indices: values only.
+    assert account_state(conv, sgd, {"weight": mask}) == (10 * F32 + 27, 10 * F32 * 2)
+    adam = torch.optim.Adam(conv.parameters())
+    assert account_state(conv, adam, {"weight": mask}).optimizer_bytes == 10 * F32 * 3
+    assert account_state(conv, sgd) == (108 * F32, 108 * F32 * 2)
+    assert account_state(conv, None) == (108 * F32, 108 * F32)  # no optimizer: gradients only
+    with pytest.raises(KeyError, match="conv1.weight"):
+        account_state(conv, sgd, {"conv1.weight": mask})
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    lambda p: torch.optim.Adam(p, lr=1e-3),
+    lambda p: torch.optim.SGD(p, lr=0.1),
+])  # fmt: skip
+def test_optimizer_bytes_before_the_first_step_equal_those_after(make_optimizer):
+    model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.Linear(7, 3))
+    optimizer = make_optimizer(model.parameters())
+    before = account_state(model, optimizer)
+    model(torch.randn(4, 5)).sum().backward()
+    optimizer.step()
+    assert account_state(model, optimizer) == before
+
+
+# --- activation memory on graphs small enough to count by hand ---------------------------------
+
+
+def mlp_step(batch: int = 4):
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    inputs, labels = torch.randn(batch, 8), torch.randint(0, 4, (batch,))
+    return model, lambda: F.cross_entropy(model(inputs), labels).backward()
+
+
+@pytest.mark.parametrize("fake", [True, False])
+def test_mlp_saved_tensors_and_backward_peak_by_hand(fake):
+    model, step = mlp_step(batch=4)
+    trace = account_activations(step, model, fake=fake)
+    saved = {
+        "input of the first linear": 4 * 8 * F32,
+        "relu mask, 1 bit per element": 4 * 16 // 8,
+        "relu output, input of the second linear": 4 * 16 * F32,
+        "log_softmax output (nll_loss saves the same storage)": 4 * 4 * F32,
+        "targets (int64)": 4 * 8,
+        "nll_loss total weight": F32,
+    }
+    assert trace.max_saved_bytes == sum(saved.values())
+    assert trace.saved_tensors == 7  # the log_softmax output is saved twice, counted once
+    # Peak: backward through the second linear, the loss's nodes already released. Alive: the
+    # first linear's input, the relu mask and output; gradients w.r.t. the loss (the engine's
+    # initial 1, held to the end), the logits and the relu output.
+    assert trace.peak_phase == "backward" and trace.peak_location == "AddmmBackward0"
+    assert trace.at_peak == {"saved": 128 + 8 + 256, "recomputed": 0, "gradient": F32 + 64 + 256}
+    assert trace.activation_bytes == 716
+
+
+def test_relu_saves_one_bit_per_element():
+    x = torch.randn(5, 13, requires_grad=True)
+    trace = account_activations(lambda: torch.relu(x).sum().backward(), fake=False)
+    assert trace.max_saved_bytes == math.ceil(5 * 13 / 8)
+
+
+def test_a_tensor_saved_by_two_ops_counts_once():
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def step():
+        hidden = x * 2  # multiplying by a Python number saves nothing
+        (hidden.sin() + hidden.cos()).sum().backward()  # both save `hidden`
+
+    trace = account_activations(step, fake=False)
+    assert trace.saved_tensors == 2
+    assert trace.max_saved_bytes == 4 * 16 * F32
+
+
+def test_view_add_and_transpose_save_nothing():
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def step():
+        hidden = x * 2
+        (hidden.view(16, 4) + hidden.t().reshape(16, 4)).transpose(0, 1).sum().backward()
+
+    trace = account_activations(step, fake=False)
+    assert trace.saved_tensors == 0 and trace.max_saved_bytes == 0
+
+
+def small_convnet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(8, 10),
+    )  # fmt: skip
+
+
+def convnet_activations(batch: int, model: nn.Module | None = None) -> int:
+    model = model or small_convnet()
+    inputs, labels = torch.randn(batch, 3, 8, 8), torch.randint(0, 10, (batch,))
+    trace = account_activations(lambda: F.cross_entropy(model(inputs), labels).backward(), model)
+    return trace.activation_bytes
+
+
+def test_activations_scale_linearly_with_batch_size():
+    a2, a4, a6 = (convnet_activations(batch) for batch in (2, 4, 6))
+    assert a4 - a2 == a6 - a4 > 0
+    # What does not scale (BatchNorm's per-channel statistics, the loss's scalars) is small.
+    assert abs(2 * a2 - a4) < 0.01 * a4
+
+
+def test_fp16_halves_saved_activations_except_relu_masks():
+    batch, pixels = 3, 8 * 8
+    inputs = torch.randn(batch, 3, 8, 8)
+    saved = {}
+    for dtype in (torch.float32, torch.float16):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1))
+        model.to(dtype)
+        saved[dtype] = account_activations(lambda m=model, d=dtype: m(inputs.to(d)).sum().backward(),
+                                           model).max_saved_bytes
+    masks = batch * 8 * pixels // 8
+    assert saved[torch.float32] == F32 * batch * (3 + 8) * pixels + masks
+    assert saved[torch.float16] == (saved[torch.float32] - masks) // 2 + masks
+
+
+# --- checkpointing: fewer stored activations, the recomputed segment counted -------------------
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.outer(torch.relu(self.inner(x)))
+
+
+class Recompute(torch.autograd.Function):
+    """A minimal checkpoint: save the input with save_for_backward, recompute in backward."""
+
+    @staticmethod
+    def forward(ctx, block, x, *params):
+        ctx.block = block
+        ctx.save_for_backward(x)
+        return block(x)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            output = ctx.block(x)
+        params = list(ctx.block.parameters())
+        grads = torch.autograd.grad(output, [x, *params], grad_output)
+        return None, *grads
+
+
+def block_stack_activations(how: str) -> ActivationTrace:
+    blocks = nn.ModuleList(Block(WIDTH) for _ in range(4))
+    # Reentrant torch checkpointing needs an input that requires grad to differentiate at all.
+    inputs = torch.randn(BATCH, WIDTH, requires_grad=True)
+
+    def step():
+        x = inputs
+        for block in blocks:
+            if how == "none":
+                x = block(x)
+            elif how == "torch":
+                x = checkpoint(block, x, use_reentrant=True)
+            else:
+                x = Recompute.apply(block, x, *block.parameters())
+        x.square().sum().backward()
+
+    return account_activations(step, blocks)
+
+
+WIDTH, BATCH = 16, 8
+BLOCK_IO = BATCH * WIDTH * F32  # one block input or output
+HIDDEN = 4 * BLOCK_IO  # one block's hidden layer
+
+
+def test_custom_checkpoint_stores_less_and_counts_the_recomputed_block_by_hand():
+    plain, checkpointed = block_stack_activations("none"), block_stack_activations("custom")
+    # Forward keeps the four block inputs and the input of the loss (x.square() saves x).
+    assert checkpointed.stored_before_backward == 5 * BLOCK_IO
+    assert plain.stored_before_backward == plain.max_saved_bytes > 3 * checkpointed.stored_before_backward
+    # The peak is inside the last block's backward, in its recomputed ReLU's backward.
+    assert (checkpointed.peak_phase, checkpointed.peak_location) == ("backward", "ReluBackward0")
+    assert checkpointed.at_peak == {
+        "saved": 4 * BLOCK_IO + HIDDEN // F32 // 8,  # block inputs + the recomputed ReLU's mask
+        "recomputed": HIDDEN + BLOCK_IO,  # the ReLU output (the second linear saves it), the block output
+        # the loss's initial 1; w.r.t. the block output (held by the checkpoint's node), the ReLU
+        # output (being consumed) and the first linear's output (just produced)
+        "gradient": F32 + BLOCK_IO + 2 * HIDDEN,
+    }
+    assert checkpointed.activation_bytes < plain.activation_bytes
+
+
+def test_custom_checkpoint_is_accounted_like_torch_reentrant_checkpoint():
+    torch_trace, custom_trace = block_stack_activations("torch"), block_stack_activations("custom")
+    assert custom_trace.max_saved_bytes == torch_trace.max_saved_bytes
+    assert custom_trace.activation_bytes == torch_trace.activation_bytes
+
+
+# --- WRN-28-2: the baseline row of Table 3 ------------------------------------------------------
+
+
+def test_wrn28_2_fp32_batch100_baseline_matches_table3():
+    model = WideResNet(depth=28, width=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    inputs, labels = torch.randn(100, 3, 32, 32), torch.randint(0, 10, (100,))
+    report = profile_step(model, optimizer, lambda: F.cross_entropy(model(inputs), labels).backward())
+    assert report.params == 1_456_858
+    assert (report.model_bytes, report.optimizer_bytes) == (1_456_858 * F32, 2 * 1_456_858 * F32)
+    # The independent reconstruction's saved tensors: 381.42 MB (ReLU outputs at 32 bits).
+    saved_without_masks = report.activation_at_peak["saved"] - 100 * 475_136 // 8
+    assert saved_without_masks == pytest.approx(381.42e6, rel=0.01)
+    assert report.total_bytes == pytest.approx(404.8e6, rel=0.03)
+    assert report.peak_bytes is None
+
+
+# --- FLOPs ----------------------------------------------------------------------------------------
+
+
+def test_linear_flops_forward_and_backward():
+    batch, fan_in, fan_out = 6, 10, 7
+    linear = nn.Linear(fan_in, fan_out)
+    x = torch.randn(batch, fan_in, requires_grad=True)
+    forward = 2 * batch * fan_in * fan_out
+    assert count_flops(lambda: linear(x)) == forward
+    # Backward: the gradient w.r.t. the input and the one w.r.t. the weight, one product each.
+    assert count_flops(lambda: linear(x).sum().backward()) == forward + 2 * forward
+    # The accounting pass counts the same way (on fake tensors).
+    assert account_activations(lambda: linear(x).sum().backward(), linear).flops == 3 * forward
+
+
+def test_checkpointing_flops_include_the_recomputation():
+    plain, checkpointed = block_stack_activations("none"), block_stack_activations("custom")
+    forward = 4 * 2 * (2 * BATCH * WIDTH * 4 * WIDTH)  # four blocks of two linears
+    assert plain.flops == 3 * forward
+    assert checkpointed.flops == 3 * forward + forward
+
+
+def test_fp32_convolution_backward_keeps_fp16_outputs():
+    conv = nn.Conv2d(3, 4, 3, padding=1).half()
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float16, requires_grad=True)
+    conv(x).square().sum().backward()
+    native = [t.grad.clone() for t in (x, conv.weight, conv.bias)]
+    for t in (x, conv.weight, conv.bias):
+        t.grad = None
+    with Fp32ConvolutionBackward():
+        conv(x).square().sum().backward()
+    for expected, t in zip(native, (x, conv.weight, conv.bias), strict=True):
+        assert t.grad.dtype == torch.float16
+        torch.testing.assert_close(t.grad, expected, rtol=2e-2, atol=2e-2)
+
+
+# --- measured peak and the whole profile -------------------------------------------------------
+
+
+def test_measured_peak_sees_a_step_allocation_and_categorises_state():
+    model = small_convnet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    inputs, labels = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    scratch = 2_000_000
+
+    def train_step():
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs), labels).backward()
+        buffer = torch.empty(scratch, dtype=torch.uint8)  # alive only inside the step
+        del buffer
+        optimizer.step()
+
+    peak = measure_peak(train_step, model, optimizer)
+    assert peak.source == "cpu tensor tracker"
+    assert peak.peak_bytes >= peak.start_bytes + scratch
+    assert peak.breakdown["parameters"] == sum(p.numel() for p in model.parameters()) * F32
+    assert peak.location == "step: empty"  # the scratch buffer, between backward and the update
+    # The second step starts with gradients and momentum alive.
+    again = measure_peak(train_step, model, optimizer)
+    assert again.start_bytes > peak.start_bytes
+
+
+def test_profile_step_with_true_microbatches_reports_one_microbatch_and_the_whole_minibatch():
+    model = small_convnet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    inputs, labels = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
+
+    def run_microbatches(size: int):
+        for start in range(0, 8, size):
+            part = slice(start, start + size)
+            (F.cross_entropy(model(inputs[part]), labels[part]) * size / 8).backward()
+
+    def train_step():
+        optimizer.zero_grad()
+        run_microbatches(2)
+        optimizer.step()
+
+    whole = profile_step(model, optimizer, lambda: run_microbatches(8))
+    micro = profile_step(model, optimizer, lambda: run_microbatches(2), train_step)
+    assert micro.activation_bytes == convnet_activations(2, model)
+    assert micro.flops == whole.flops > 0
+    # One microbatch standing for the four of the same shape: the same figures, a quarter of the work.
+    def first_microbatch():
+        (F.cross_entropy(model(inputs[:2]), labels[:2]) * 2 / 8).backward()
+
+    once = profile_step(model, optimizer, [Microbatch(first_microbatch, count=4)])
+    assert (once.activation_bytes, once.flops) == (micro.activation_bytes, micro.flops)
+    assert micro.total_bytes == micro.model_bytes + micro.optimizer_bytes + micro.activation_bytes
+    assert micro.peak_bytes is not None and micro.peak_bytes > micro.model_bytes
+    row = json.loads(json.dumps(micro.to_json()))
+    for key in ("model_bytes", "optimizer_bytes", "activation_bytes", "total_bytes", "peak_bytes", "flops"):
+        assert isinstance(row[key], int)
+    assert row["params"] == sum(p.numel() for p in model.parameters())
+    assert "activations" in micro.table() and "measured peak" in micro.table()
+
+
+def test_fake_pass_leaves_the_model_untouched():
+    model = small_convnet()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    convnet_activations(4, model)
+    with maybe_fake(model, True):
+        pass
+    assert all(a is b for a, b in zip(params, model.parameters(), strict=True))
+    assert all(p.grad is None for p in params)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+# --- lowmem's own techniques and the command line -----------------------------------------------
+
+
+def test_lowmem_checkpointing_strategies_account_in_the_reports_order():
+    """Figure 5's order: none > no_bn > residual_star (every 2) in accounted activations, with
+    residual_star's FLOPs about 4/3 of none's (one extra forward of every block)."""
+    inputs, labels = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    traces = {}
+    for strategy in ("none", "no_bn", "residual_star"):
+        model = WideResNet(depth=28, width=1)
+        if strategy != "none":
+            apply_checkpointing(model, strategy, 2)
+        step = lambda m=model: F.cross_entropy(m(inputs), labels).backward()  # noqa: E731
+        traces[strategy] = account_activations(step, model)
+    sizes = [traces[s].activation_bytes for s in ("none", "no_bn", "residual_star")]
+    assert sizes == sorted(sizes, reverse=True) and sizes[2] < sizes[0] / 2
+    assert traces["residual_star"].flops == pytest.approx(4 / 3 * traces["none"].flops, rel=0.05)
+
+
+def test_profile_command_prints_the_json_row_last(tmp_path):
+    command = [sys.executable, "-m", "lowmem.profile", *TINY_WRN, "precision=fp16", "microbatch.size=5",
+               "checkpointing.strategy=residual_star", "checkpointing.every=2", "sparsity.density=0.5",
+               f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["total_bytes"] == row["model_bytes"] + row["optimizer_bytes"] + row["activation_bytes"]
+    assert row["peak_bytes"] > 0 and row["flops"] > 0
+    assert row["nonzero_params"] < row["params"]
+    assert json.loads((tmp_path / "profile.json").read_text()) == row
+    assert "measured peak" in done.stdout
