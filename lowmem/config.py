@@ -104,6 +104,11 @@ class LoggerConfig:
 
 
 @dataclass
+class ProfileConfig:
+    measure_peak: bool = True  # lowmem.profile: also run one real step for the measured peak (slow for FP16 on CPU)
+
+
+@dataclass
 class Config:
     recipe: str = MISSING  # chosen with `+recipe=<name>`
     data: DataConfig = field(default_factory=DataConfig)
@@ -115,6 +120,7 @@ class Config:
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def register_configs() -> None:

@@ -28,54 +28,47 @@ from torch.utils._pytree import tree_leaves
 
 from lowmem.config import register_configs
 from lowmem.memory import MemoryReport, Microbatch, profile_step
-from lowmem.techniques.precision import autocast_context
 
 register_configs()
 
 
-def _example_batch(trainer) -> Any:
-    """One minibatch of the configured data (the trainer's own when it offers one)."""
-    if hasattr(trainer, "example_batch"):
-        return trainer.example_batch()
-    return next(iter(trainer.data.train.epoch(0)))
-
-
-def profile_trainer(trainer) -> MemoryReport:
-    """Profile one minibatch of ``trainer`` (a ``lowmem.trainer.Trainer``)."""
-    batch = _example_batch(trainer)
-    true_microbatches = trainer.microbatch_size is not None and trainer.microbatch_mode == "true"
-    parts = trainer.recipe.split(batch, trainer.microbatch_size) if true_microbatches else [(batch, 1.0)]
-
-    def forward_backward(part: Any, weight: float) -> None:
-        # The forward and backward of Trainer.train_step, without its update and its reads of
-        # values (loss logging, overflow check), which fake tensors cannot serve.
-        trainer.model.train()
-        with autocast_context(trainer.policy, trainer.device):
-            loss = trainer.recipe.loss(trainer.model, part)
-        trainer.scaler.scale_loss(loss * weight).backward()
-
+def profile_trainer(trainer, measure: bool = True) -> MemoryReport:
+    """Profile one minibatch of ``trainer`` (a ``lowmem.trainer.Trainer``); ``measure=False``
+    skips the real step (no measured peak: the accounting and FLOPs only)."""
+    batch = trainer.example_batch()
+    trainer.model.train()
     # Microbatches of equal shapes have equal activations and FLOPs: account one of each shape.
     distinct: dict[tuple, list] = {}
-    for part, weight in parts:
+    for part, weight in trainer.microbatches(batch):
         distinct.setdefault(_shapes(part), [part, weight, 0])[2] += 1
-    microbatches = [Microbatch(functools.partial(forward_backward, part, weight), count)
-                    for part, weight, count in distinct.values()]
+    microbatches = [
+        Microbatch(functools.partial(trainer.microbatch_backward, part, weight), count)
+        for part, weight, count in distinct.values()
+    ]
     masks = trainer.sparsity.masks if trainer.sparsity is not None else None
-    return profile_step(trainer.unwrapped_model, trainer.optimizer, microbatches,
-                        lambda: trainer.train_step(batch), masks=masks)
+    step = (lambda: trainer.train_step(batch)) if measure else None
+    return profile_step(trainer.unwrapped_model, trainer.optimizer, microbatches, step, masks=masks)
 
 
 def _shapes(batch: Any) -> tuple:
     return tuple((tuple(t.shape), t.dtype) for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
 
 
+def profile_config(cfg: DictConfig, measure: bool = True) -> dict[str, Any]:
+    """The SPEC §2 JSON row of a composed configuration (``lowmem.config.compose``); prints nothing."""
+    from lowmem.trainer import build_trainer
+
+    trainer = build_trainer(cfg)
+    report = profile_trainer(trainer, measure=measure)
+    return {**report.to_json(), "device": str(trainer.device), "torch": torch.__version__}
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Build the configuration, profile it, print the table; return the JSON row."""
-    from lowmem.trainer import Trainer, build_trainer
+    from lowmem.trainer import build_trainer
 
-    # Data are only needed for a batch when the trainer cannot make one itself.
-    trainer = build_trainer(cfg, with_data=not hasattr(Trainer, "example_batch"))
-    report = profile_trainer(trainer)
+    trainer = build_trainer(cfg)
+    report = profile_trainer(trainer, measure=cfg.profile.measure_peak)
     print(report.table())
     return {**report.to_json(), "device": str(trainer.device), "torch": torch.__version__}
 

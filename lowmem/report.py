@@ -225,7 +225,7 @@ def _profile(config: dict[str, Any]) -> dict[str, Any]:
             f"is not available ({error}); the report needs one of the two"
         ) from error
     # The typed schema, as lowmem.train composes it, so the profiler sees the trainer's config.
-    return profile_config(OmegaConf.merge(OmegaConf.structured(Config), config))
+    return profile_config(OmegaConf.merge(OmegaConf.structured(Config), config), measure=False)
 
 
 # --- labels and families ---------------------------------------------------------------------------

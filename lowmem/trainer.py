@@ -93,36 +93,58 @@ class Trainer:
         return getattr(self.model, "module", self.model)
 
     # --- one minibatch -------------------------------------------------------------------------
-    def train_step(self, batch: Any) -> dict[str, Any]:
-        """Forward/backward over all microbatches of ``batch``, then one (possibly skipped) update."""
-        self.model.train()
-        for p in self.params:
-            p.grad = None
+    def microbatches(self, batch: Any) -> list[tuple[Any, float]]:
+        """The parts of ``batch`` this rank runs forward and backward, each with its loss weight."""
         # 0. Data parallel: this rank's share of the global minibatch. DDP averages gradients over
         #    ranks, so a share's loss is weighted by (its units / global units) x ranks: the result is
         #    the global mean even when shares differ in size (tokens).
         rank_weight = 1.0
         if distributed.world_size() > 1:
             shard = self.recipe.shard(batch, distributed.rank(), distributed.world_size())
-            rank_weight = (
-                self.recipe.batch_size(shard) * distributed.world_size() / self.recipe.batch_size(batch)
-            )
+            rank_weight = self.recipe.batch_size(shard) * distributed.world_size() / self.recipe.batch_size(batch)
             batch = shard
         # 1. True microbatching: sequential microbatches, each loss weighted by its share of the
         #    minibatch so the accumulated gradient is the minibatch mean (a short last one is exact).
-        #    Data parallel: gradients are all-reduced only on the last microbatch.
         if self.microbatch_size is not None and self.microbatch_mode == "true":
             parts = self.recipe.split(batch, self.microbatch_size)
         else:
             parts = [(batch, 1.0)]
+        return [(part, weight * rank_weight) for part, weight in parts]
+
+    def microbatch_backward(self, part: Any, weight: float, index: int = 0, count: int = 1) -> torch.Tensor:
+        """Forward and backward of one microbatch; returns its (unweighted, detached) mean loss.
+
+        Under data parallelism the gradient all-reduce waits for the last of ``count`` microbatches.
+        """
+        with no_sync_except_last(self.model, index, count):
+            with autocast_context(self.policy, self.device):
+                loss = self.recipe.loss(self.model, part)
+            # 2. Loss scaling (FP16): gradients stay scaled; the optimizer unscales them in FP32.
+            self.scaler.scale_loss(loss * weight).backward()
+        return loss.detach()
+
+    def account_memory(self) -> dict[str, int]:
+        """Accounted bytes (model, optimizer, activations, total) and FLOPs of one minibatch."""
+        from lowmem.profile import profile_trainer
+
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            report = profile_trainer(self, measure=False).to_json()
+        keys = ("model_bytes", "optimizer_bytes", "activation_bytes", "total_bytes", "flops")
+        return {key: report[key] for key in keys}
+
+    def example_batch(self) -> Any:
+        """The first training minibatch (what the profiler measures)."""
+        return next(iter(self.data.train.epoch(0)))
+
+    def train_step(self, batch: Any) -> dict[str, Any]:
+        """Forward/backward over all microbatches of ``batch``, then one (possibly skipped) update."""
+        self.model.train()
+        for p in self.params:
+            p.grad = None
+        parts = self.microbatches(batch)
         loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
         for index, (part, weight) in enumerate(parts):
-            with no_sync_except_last(self.model, index, len(parts)):
-                with autocast_context(self.policy, self.device):
-                    loss = self.recipe.loss(self.model, part)
-                # 2. Loss scaling (FP16): gradients stay scaled; the optimizer unscales them in FP32.
-                self.scaler.scale_loss(loss * (weight * rank_weight)).backward()
-            loss_total += loss.detach().float() * weight
+            loss_total += self.microbatch_backward(part, weight, index, len(parts)).float() * weight
         # 3. Sparsity: zero gradients at inactive positions (torch.where, so a NaN/inf there
         #    cannot trigger an overflow skip) before the overflow check.
         if self.sparsity is not None:
@@ -159,6 +181,9 @@ class Trainer:
     def fit(self, run_dir: Path) -> dict[str, Any]:
         cfg, state = self.config, self.state
         rank0 = distributed.is_rank0()
+        # The report's accounting of this configuration (fake tensors: no compute, no RNG drawn),
+        # kept with the result so that tables need no second profiling pass.
+        accounting = self.account_memory() if rank0 else None
         metrics = MetricsLog(run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), enabled=rank0)
         progress = Progress(cfg.trainer.progress, cfg.trainer.log_every, enabled=rank0)
         max_steps = cfg.trainer.max_steps
@@ -174,9 +199,7 @@ class Trainer:
                     state.step += 1
                     state.batch_in_epoch += 1
                     if "rewiring" in record:
-                        metrics.log(
-                            {"step": state.step, "epoch": state.epoch, "rewiring": record.pop("rewiring")}
-                        )
+                        metrics.log({"step": state.step, "epoch": state.epoch, "rewiring": record.pop("rewiring")})
                     if state.step % cfg.trainer.log_every == 0 or state.step == max_steps:
                         metrics.log({"step": state.step, "epoch": state.epoch, **record})
                     progress.step(state.step, {"loss": record["loss"], "lr": record.get("lr", 0.0)})
@@ -186,9 +209,7 @@ class Trainer:
                 epoch_finished = state.batch_in_epoch >= len(train)
                 evaluation = self.evaluate()
                 metric = evaluation[self.recipe.primary_metric]
-                state.best_metric = (
-                    metric if state.best_metric is None else self._better(state.best_metric, metric)
-                )
+                state.best_metric = metric if state.best_metric is None else self._better(state.best_metric, metric)
                 state.final_metric = metric
                 record = {
                     "epoch": state.epoch,
@@ -213,6 +234,7 @@ class Trainer:
                     save_torch(self.checkpoint_state(), run_dir / CHECKPOINT)
                     self._save_snapshot(run_dir)
             result = self.result(peak.peak_bytes)
+            result["memory"] = accounting
             # Recipes whose final score needs more than the per-epoch evaluation (BLEU of averaged
             # snapshots, for translation) compute it here.
             final_evaluation = getattr(self.recipe, "final_evaluation", None)
@@ -241,9 +263,7 @@ class Trainer:
         keep = getattr(self.recipe, "average_last", 0)
         if keep <= 0:
             return
-        save_torch(
-            self.unwrapped_model.state_dict(), run_dir / "snapshots" / f"step_{self.state.step:09d}.pt"
-        )
+        save_torch(self.unwrapped_model.state_dict(), run_dir / "snapshots" / f"step_{self.state.step:09d}.pt")
         for old in self._snapshots(run_dir)[:-keep]:
             old.unlink()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -105,12 +106,17 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, monkeypatch):
     train(tmp_path / "run", "logger=wandb", "trainer.max_steps=2", "trainer.log_every=1")
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/*.wandb"))
     assert len(runs) == 1
-    # The offline run is a protobuf log whose history items hold each value as a JSON string.
-    raw = runs[0].read_bytes()
+    # The offline run is a protobuf log whose history items hold each value as a JSON string. The
+    # wandb-core service process may still be flushing it when finish() returns: wait briefly.
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     final = metrics[-1]
-    for key in ("test_acc", "test_loss"):
-        assert key.encode() in raw and json.dumps(final[key]).encode() in raw, key
+    # (test_loss: a non-integral float, written the same by Python and by wandb's Go core.)
+    wanted = [b"test_acc", b"test_loss", json.dumps(final["test_loss"]).encode()]
+    deadline = time.monotonic() + 10
+    while not all(w in runs[0].read_bytes() for w in wanted) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    raw = runs[0].read_bytes()
+    assert all(w in raw for w in wanted), [w for w in wanted if w not in raw]
 
 
 def test_rerunning_a_finished_run_skips_it_and_another_config_is_refused(tmp_path):
