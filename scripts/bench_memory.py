@@ -1,0 +1,182 @@
+"""Memory and speed of every lowmem technique and of the conventional peer stack, side by side.
+
+WRN-28-2, batch 100, on this device, in one run (machines are noisy: compare the ratios). For
+each configuration: the report's accounting (stored activations, total), the measured allocator
+peak of one real training step, the FLOPs (forward + backward + recomputation) and the median
+step time, each also as a ratio to plain FP32 PyTorch.
+
+Rows:
+- plain PyTorch FP32 (no lowmem code: torch.optim.SGD, the same WRN);
+- the conventional peer stack: torch.autocast + torch's GradScaler + torch.utils.checkpoint
+  (non-reentrant) over the same residual blocks, every 2;
+- each lowmem technique alone; the report's Table 3 combinations (rows 2-7, true microbatching).
+
+On a CPU, 16-bit rows use BF16 (this CPU has no fast FP16 kernels; BF16 and FP16 take the same
+bytes); on CUDA they use FP16 as in the report.
+
+    .venv/bin/python scripts/bench_memory.py [--repeats 3] [--out bench_memory.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from lowmem.config import compose
+from lowmem.memory import account_activations, count_flops, measure_peak
+from lowmem.profile import profile_trainer
+from lowmem.run_files import save_bytes
+from lowmem.trainer import build_trainer
+from recipes.wrn_cifar.model import WideResNet
+
+BASE = ["+recipe=wrn_cifar", "data=fake", "data.batch_size=100", "trainer.progress=none"]
+
+
+def lowmem_rows(sixteen: str) -> dict[str, list[str]]:
+    star = [
+        f"precision={sixteen}",
+        "checkpointing.strategy=residual_star",
+        "checkpointing.every=2",
+        "microbatch.mode=true",
+    ]
+    return {
+        "lowmem FP32 (no technique)": [],
+        "checkpointing no_bn": ["checkpointing.strategy=no_bn"],
+        "checkpointing residual/1": ["checkpointing.strategy=residual", "checkpointing.every=1"],
+        "checkpointing residual/2": ["checkpointing.strategy=residual", "checkpointing.every=2"],
+        "checkpointing residual_star/1": ["checkpointing.strategy=residual_star", "checkpointing.every=1"],
+        "checkpointing residual_star/2": ["checkpointing.strategy=residual_star", "checkpointing.every=2"],
+        "true microbatches of 10": ["microbatch.size=10", "microbatch.mode=true"],
+        f"pure {sixteen.upper()}": [f"precision={sixteen}"],
+        "sparsity 0.3": ["sparsity.density=0.3"],
+        "T3 row 2: d1.0 mb100": [*star, "microbatch.size=100"],
+        "T3 row 3: d1.0 mb10": [*star, "microbatch.size=10"],
+        "T3 row 4: d0.3 mb10": [*star, "sparsity.density=0.3", "microbatch.size=10"],
+        "T3 row 5: d0.2 mb10": [*star, "sparsity.density=0.2", "microbatch.size=10"],
+        "T3 row 6: d0.2 mb4": [*star, "sparsity.density=0.2", "microbatch.size=4"],
+        "T3 row 7: d0.1 mb4": [*star, "sparsity.density=0.1", "microbatch.size=4"],
+    }
+
+
+def median_seconds(step: Callable[[], object], repeats: int) -> float:
+    step()  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def plain_pytorch(batch, device, peer: bool, sixteen: torch.dtype, repeats: int) -> dict:
+    """Plain PyTorch (peer=False) or autocast + GradScaler + torch.utils.checkpoint (peer=True)."""
+    torch.manual_seed(0)
+    model = WideResNet(28, 2).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    scaler = torch.amp.GradScaler(device.type, enabled=peer and device.type == "cuda")
+    images, labels = batch
+
+    def forward(x):
+        x = model.conv1(x)
+        blocks = list(model.residual_blocks)
+        for i in range(0, len(blocks), 2):
+            segment = blocks[i : i + 2]
+
+            def run(h, segment=segment):
+                for block in segment:
+                    h = block(h)
+                return h
+
+            x = checkpoint(run, x, use_reentrant=False) if peer else run(x)
+        x = F.relu(model.bn(x))
+        return model.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+    def forward_backward():
+        with torch.autocast(device.type, dtype=sixteen, enabled=peer):
+            loss = F.cross_entropy(forward(images).float(), labels)
+        scaler.scale(loss).backward()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        forward_backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    trace = account_activations(forward_backward, model, fake=False)
+    peak = measure_peak(step, model, optimizer)
+    return {
+        "stored": trace.activation_bytes,
+        "total": None,
+        "peak": peak.peak_bytes,
+        "flops": count_flops(forward_backward),
+        "seconds": median_seconds(step, repeats),
+    }
+
+
+def lowmem_row(overrides: list[str], repeats: int) -> dict:
+    trainer = build_trainer(compose(*BASE, *overrides))
+    report = profile_trainer(trainer, measure=True)
+    batch = trainer.example_batch()
+    return {
+        "stored": report.activation_bytes,
+        "total": report.total_bytes,
+        "peak": report.peak_bytes,
+        "flops": report.flops,
+        "seconds": median_seconds(lambda: trainer.train_step(batch), repeats),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="bench_memory.md")
+    parser.add_argument("--only", nargs="*", help="substrings of row names to run")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sixteen = "fp16" if device.type == "cuda" else "bf16"
+    trainer = build_trainer(compose(*BASE))
+    images, labels = trainer.example_batch()
+    rows: dict[str, dict] = {}
+    plain = {"plain PyTorch FP32": False, f"peer: autocast {sixteen.upper()} + GradScaler + torch checkpoint/2": True}
+    for name, peer in plain.items():
+        if not args.only or any(s in name for s in args.only):
+            dtype = torch.float16 if sixteen == "fp16" else torch.bfloat16
+            rows[name] = plain_pytorch((images.float(), labels), device, peer, dtype, args.repeats)
+            print(name, rows[name], flush=True)
+    for name, overrides in lowmem_rows(sixteen).items():
+        if not args.only or any(s in name for s in args.only):
+            rows[name] = lowmem_row(overrides, args.repeats)
+            print(name, rows[name], flush=True)
+    table = render(rows, device)
+    print(table)
+    save_bytes(table.encode(), args.out)
+
+
+def render(rows: dict[str, dict], device: torch.device) -> str:
+    base = rows.get("plain PyTorch FP32") or next(iter(rows.values()))
+    mb = lambda b: "—" if b is None else f"{b / 1e6:.1f}"  # noqa: E731
+    lines = [
+        f"WRN-28-2, batch 100, {device} ({torch.get_num_threads()} threads), torch {torch.__version__}; "
+        "ratios to plain PyTorch FP32",
+        "",
+        "| configuration | stored activations MB (x fewer) | accounted total MB | measured peak MB (x lower) "
+        "| GFLOPs (ratio) | step s (ratio) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        lines.append(
+            f"| {name} | {mb(r['stored'])} ({base['stored'] / r['stored']:.2f}x) | {mb(r['total'])} | "
+            f"{mb(r['peak'])} ({base['peak'] / r['peak']:.2f}x) | {r['flops'] / 1e9:.1f} "
+            f"({r['flops'] / base['flops']:.2f}) | {r['seconds']:.2f} ({r['seconds'] / base['seconds']:.2f}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
