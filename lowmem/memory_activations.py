@@ -6,9 +6,14 @@ and backward pass, of the bytes alive in three kinds of tensors, each storage co
 - saved: what autograd holds for backward (saved tensors), parameters and buffers excluded. A
   tensor ReLU saves for itself counts 1 bit per element (a sign mask suffices); ops that save
   nothing (add, view, transpose) count nothing by construction.
-- recomputed: what a checkpoint's backward computes again (outputs of ops run inside a custom
-  ``autograd.Function``'s backward, with or without grad mode), while alive; weight gradients
-  computed there are optimizer memory and are skipped.
+- recomputed: what a checkpoint's backward computes again *and holds for backward*: tensors
+  saved by the recomputed graph (packed while a custom ``autograd.Function``'s backward runs),
+  counted exactly like the original forward's saved tensors. Recomputed tensors nothing saves
+  (a BN-ReLU output fed once to a convolution's weight-gradient kernel, a block output that is
+  only the root of the nested backward) are temporaries of a single computation, which the report
+  does not count (Appendix B: "we also do not calculate temporary memory for intermediate
+  computations"); a recomputed block output that the next block reads is saved by that block and
+  so is counted.
 - gradient: gradients with respect to activations (the backward activations), from when a node
   produces them until their storage dies. Gradients reaching parameters, or tensors computed from
   parameters alone (``weight.t()``, a cast), are optimizer memory and are not counted.
@@ -166,8 +171,10 @@ class ActivationTracer(TorchDispatchMode):
             key, nbytes = next(self._mask_keys), math.ceil(tensor.numel() / 8)
         else:
             nbytes = held_bytes(tensor)
+        # Saved while a custom Function's backward runs: a checkpoint's recomputed graph.
+        recomputing = isinstance(torch._C._current_autograd_node(), BackwardCFunction)
         weakref.finalize(handle, self.ledger.release, key)
-        self.ledger.acquire(key, nbytes, "saved")
+        self.ledger.acquire(key, nbytes, "recomputed" if recomputing else "saved")
         return handle
 
     @staticmethod
@@ -210,16 +217,17 @@ class ActivationTracer(TorchDispatchMode):
         if inputs and len(state_inputs) == len(inputs):
             for tensor in outputs:
                 self._mark_from_state(tensor)
-        elif isinstance(torch._C._current_autograd_node(), BackwardCFunction):
-            # A custom Function's backward: a checkpoint recomputing. An output shaped like one of
-            # the op's model-state inputs is that input's gradient (optimizer memory).
-            # Ops on activation gradients (the conv backward's, a sum of branch gradients) make
-            # activation gradients.
+        elif isinstance(torch._C._current_autograd_node(), BackwardCFunction) and any(
+            self._category(t) == "gradient" for t in inputs
+        ):
+            # A custom Function's backward computing on activation gradients (the conv backward's,
+            # a sum of branch gradients): its outputs are activation gradients, except an output
+            # shaped like one of the op's model-state inputs, that input's gradient (optimizer
+            # memory). Its other outputs are recomputation, counted when autograd saves them.
             state_shapes = {t.shape for t in state_inputs}
-            category = "gradient" if any(self._category(t) == "gradient" for t in inputs) else "recomputed"
             for tensor in outputs:
                 if tensor.is_floating_point() and tensor.shape not in state_shapes:
-                    self._track_storage(tensor, category)
+                    self._track_storage(tensor, "gradient")
         return out
 
     def _track_storage(self, tensor: torch.Tensor, category: str) -> None:

@@ -56,7 +56,9 @@ class Recipe(Protocol):
 
     def table_defaults(self, density: float) -> TechniqueDefaults: ...
 
-    def rewire_schedule(self, cfg: Any) -> Any: ...  # a lowmem.techniques.sparsity.RewireSchedule
+    def rewire_schedule(self, cfg: Any, run_epochs: float) -> Any:
+        """The DSR schedule (a lowmem.techniques.sparsity.RewireSchedule) for a run of ``run_epochs``."""
+        ...
 
     def build_data(self, cfg: Any, device: torch.device, input_dtype: torch.dtype) -> RecipeData: ...
 

@@ -375,7 +375,7 @@ def _build_optimizer(optim_cfg, params: list[nn.Parameter], lr: float, policy: P
     )
 
 
-def build_trainer(cfg: DictConfig, with_data: bool = True) -> Trainer:
+def build_trainer(cfg: DictConfig) -> Trainer:
     """Build model, data and techniques from ``cfg``, in the order the techniques require."""
     validate(cfg)
     if cfg.trainer.sync_batchnorm and cfg.microbatch.size is not None and microbatch_mode(cfg) == "simulated":
@@ -402,6 +402,8 @@ def build_trainer(cfg: DictConfig, with_data: bool = True) -> Trainer:
         growth_interval=cfg.precision.growth_interval,
     )
 
+    # 0. The data (the rewiring schedule scales with the run's length in epochs).
+    data = recipe.build_data(cfg, device, policy.input_dtype)
     # 1. The recipe's model, in FP32, from the seed (the same weights whatever the techniques).
     model = recipe.build_model(cfg).to(device)
     defaults = recipe.table_defaults(cfg.sparsity.density)
@@ -413,7 +415,7 @@ def build_trainer(cfg: DictConfig, with_data: bool = True) -> Trainer:
             model,
             recipe.sparsifiable_weights(model),
             cfg.sparsity.density,
-            schedule=recipe.rewire_schedule(cfg),
+            schedule=recipe.rewire_schedule(cfg, _run_epochs(cfg, data)),
             rewire_fraction=cfg.sparsity.rewire_fraction,
             fraction_mult=_pick(cfg.sparsity.rewire_fraction_mult, defaults.rewire_fraction_mult),
             freq_mult=_pick(cfg.sparsity.rewire_freq_mult, defaults.rewire_freq_mult),
@@ -435,7 +437,6 @@ def build_trainer(cfg: DictConfig, with_data: bool = True) -> Trainer:
     model = distributed.wrap_model(model, device, sync_batchnorm=cfg.trainer.sync_batchnorm)
     if sparsity is not None:
         distributed.check_identical(sparsity.mask_checksum(), "initial sparsity masks", device)
-    data = recipe.build_data(cfg, device, policy.input_dtype) if with_data else None
     trainer = Trainer(cfg, recipe, model, data, policy, sparsity, defaults, device)
     if distributed.is_rank0():
         log.info(
@@ -455,6 +456,14 @@ def build_trainer(cfg: DictConfig, with_data: bool = True) -> Trainer:
             cfg.checkpointing.every,
         )
     return trainer
+
+
+def _run_epochs(cfg: DictConfig, data: RecipeData) -> float:
+    """How long this run trains, in epochs: ``trainer.epochs``, or less if ``trainer.max_steps`` stops it."""
+    epochs = float(cfg.trainer.epochs)
+    if cfg.trainer.max_steps is not None:
+        epochs = min(epochs, cfg.trainer.max_steps / max(len(data.train), 1))
+    return epochs
 
 
 def _pick(value: float | None, default: float) -> float:

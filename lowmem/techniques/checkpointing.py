@@ -7,9 +7,14 @@ Strategies (``checkpointing.strategy``, with ``checkpointing.every=m``):
   (cheap, no convolution is recomputed) and feeds the recomputed ReLU output to the convolution's
   backward. Needs blocks that route their triples through ``lowmem.residual.norm_relu_conv``.
 - ``residual``: the blocks run in segments of ``m``; only each segment's input is stored and
-  backward recomputes the segment. Works for any block.
+  backward recomputes the segment (each block's forward once), then backpropagates it block by
+  block, last block first, releasing each block's recomputed tensors as soon as its backward is
+  done. The segment's output is never held: backward starts from its gradient edge. Works for any
+  block.
 - ``residual_star``: ``residual`` outside, ``no_bn`` inside the recomputed segment: while a
-  segment is backpropagated its block outputs and first-conv outputs are held, BN outputs never.
+  segment is backpropagated the recomputed block inputs and first-conv outputs of the blocks not
+  yet backpropagated are held, BN and ReLU outputs never (backward recomputes them on the fly,
+  into one buffer, and applies the ReLU backward in place).
 
 Recomputation replays the RNG state (identical dropout masks) and the autocast state, and sends
 BatchNorm running-statistic updates to scratch copies, so the statistics are updated exactly once
@@ -204,16 +209,51 @@ class _CheckpointedSegment(torch.autograd.Function):
         context = tuple(
             next(remaining) if t else item for t, item in zip(ctx.is_tensor, ctx.skeleton, strict=True)
         )
-        with ctx.rng.replayed(), ctx.autocast.restore(), scratch_running_stats(ctx.segment.modules()):
-            with torch.enable_grad():
-                output = run_sequentially(ctx.segment, aliases[0], context)
-        inputs = [*leaves, *ctx.params]
         # needs_input_grad covers (segment, context, is_tensor, x, num_context_tensors, *tensors).
         needed = [ctx.needs_input_grad[3]] + list(ctx.needs_input_grad[5:])
-        wanted = [t for t, need in zip(inputs, needed, strict=True) if need]
-        grads = iter(torch.autograd.grad(output, wanted, grad_output, allow_unused=True))
-        input_grads = [next(grads) if need else None for need in needed]
-        return (None, None, None, input_grads[0], None, *input_grads[1:])
+        # Recompute the segment block by block, each block's graph on its own: block k's input is
+        # a fresh leaf sharing the storage of block k-1's output, so after block k is backpropagated
+        # (last block first) its saved tensors are released while the earlier blocks' graphs stay.
+        # Held at once: the recomputed graphs still to backpropagate (their block inputs and what
+        # they save) and the gradient flowing back; never a block's output for its own sake: the
+        # last block's output is dropped right away and backward starts from its gradient edge.
+        block_inputs, output_edges = [], []
+        x_leaf, x_alias = leaves[0], aliases[0]
+        with ctx.rng.replayed(), ctx.autocast.restore(), scratch_running_stats(ctx.segment.modules()):
+            with torch.enable_grad():
+                for index, block in enumerate(ctx.segment):
+                    output = block(x_alias, *context)
+                    block_inputs.append(x_leaf)
+                    output_edges.append(torch.autograd.graph.get_gradient_edge(output))
+                    if index + 1 < len(ctx.segment):
+                        x_leaf, x_alias = _recomputation_input(output)
+                    del output
+        del x_leaf, x_alias  # the last block's input lives on in its graph only
+        # Gradients of the context tensors and parameters, summed over the blocks (each parameter
+        # of a plain model is in one block; context tensors are read by every block).
+        accumulated: list[torch.Tensor | None] = [None] * (len(leaves) - 1 + len(ctx.params))
+        outer = [*leaves[1:], *ctx.params]
+        outer_needed = needed[1:]
+        grad = grad_output
+        for index in range(len(ctx.segment) - 1, -1, -1):
+            edge, block_input = output_edges.pop(), block_inputs.pop()
+            need_input = index > 0 or needed[0]
+            wanted = ([block_input] if need_input else []) + [
+                t for t, need in zip(outer, outer_needed, strict=True) if need
+            ]
+            grads = list(torch.autograd.grad([edge], wanted, [grad], allow_unused=True)) if wanted else []
+            grad = grads.pop(0) if need_input else None
+            if index > 0 and grad is None:  # a block that ignores its input
+                grad = torch.zeros_like(block_input)
+            del edge, block_input  # the block's graph and input go now (its saved tensors already did)
+            extra = iter(grads)
+            for position, need in enumerate(outer_needed):
+                if need:
+                    value = next(extra)
+                    if value is not None:
+                        previous = accumulated[position]
+                        accumulated[position] = value if previous is None else previous + value
+        return (None, None, None, grad, None, *accumulated)
 
 
 # --- no_bn: recompute BN-ReLU, never the convolution --------------------------------------------
@@ -255,7 +295,11 @@ class _NormReluConvRecomputed(torch.autograd.Function):
         x, x_alias = _recomputation_input(saved_x)
         norm, conv = ctx.norm, ctx.conv
         with ctx.autocast.restore(), scratch_running_stats([norm]), torch.enable_grad():
-            activation = F.relu(norm(x_alias))
+            normalized = norm(x_alias)
+        # The ReLU is applied in place on a detached alias of the norm output: the norm's backward
+        # needs its input, not its output, so one buffer holds both, and no ReLU node is recorded.
+        with torch.no_grad():
+            activation = normalized.detach().relu_()
         # Under autocast the convolution ran in the output's dtype; its backward does the same.
         dtype = grad_output.dtype
         need_x = ctx.needs_input_grad[2] or any(ctx.needs_input_grad[5:])
@@ -277,11 +321,14 @@ class _NormReluConvRecomputed(torch.autograd.Function):
         norm_inputs = [x, *norm.parameters()]
         needed = [ctx.needs_input_grad[2], *ctx.needs_input_grad[5:]]
         wanted = [t for t, need in zip(norm_inputs, needed, strict=True) if need]
-        grads = iter(
-            torch.autograd.grad(activation, wanted, grad_activation.to(activation.dtype), allow_unused=True)
-            if wanted
-            else []
-        )
+        grads = iter([])
+        if wanted:
+            # ReLU's backward in place (the values of threshold_backward: zero where the output is
+            # not positive), so the norm backward reads the same buffer the conv backward wrote.
+            grad_normalized = grad_activation.to(normalized.dtype)
+            grad_normalized.masked_fill_(activation <= 0, 0)
+            del grad_activation, activation
+            grads = iter(torch.autograd.grad(normalized, wanted, grad_normalized, allow_unused=True))
         norm_grads = [next(grads) if need else None for need in needed]
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(conv.bias.dtype)

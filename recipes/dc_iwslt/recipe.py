@@ -105,7 +105,7 @@ class DynamicConvIwsltRecipe:
     def table_defaults(self, density: float) -> TechniqueDefaults:
         return TechniqueDefaults(*nearest_table_row(TABLE_DEFAULTS, density))
 
-    def rewire_schedule(self, cfg) -> RewireSchedule:
+    def rewire_schedule(self, cfg, run_epochs: float) -> RewireSchedule:
         # The update ranges scale with the run length, so a short run keeps its phases.
         scale = (cfg.trainer.max_steps or REPORT_UPDATES) / REPORT_UPDATES
         return RewireSchedule(

@@ -73,9 +73,11 @@ class WRNCifarRecipe:
     def table_defaults(self, density: float) -> TechniqueDefaults:
         return TechniqueDefaults(*nearest_table_row(TABLE_DEFAULTS, density))
 
-    def rewire_schedule(self, cfg) -> RewireSchedule:
-        # The schedule's epochs scale with the run length, so a short run keeps its phases.
-        scale = cfg.trainer.epochs / REPORT_EPOCHS
+    def rewire_schedule(self, cfg, run_epochs: float) -> RewireSchedule:
+        # The schedule's epochs are stated for 200 epochs; they scale with the run's real length
+        # (trainer.epochs, or fewer when trainer.max_steps ends it), so a short run keeps every
+        # phase, including the last epochs without rewiring that train the regrown weights.
+        scale = run_epochs / REPORT_EPOCHS
         return RewireSchedule(
             starts=tuple(s * scale for s in WRN_SCHEDULE.starts),
             periods=WRN_SCHEDULE.periods,
