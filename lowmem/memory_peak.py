@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from lowmem.memory_activations import storage_key
+from lowmem.techniques.precision import CpuHalfConvolutionBackward
 
 # Categories of the breakdown, in display order.
 PEAK_CATEGORIES = (
@@ -231,29 +232,6 @@ def track_peak(
         yield tracker
 
 
-class Fp32ConvolutionBackward(TorchDispatchMode):
-    """Compute FP16 ``convolution_backward`` on CPU in FP32 and round the results to FP16.
-
-    Torch's CPU FP16 convolution backward is a reference kernel (~75 s for one WRN-28-2 backward
-    at batch 10, against ~0.5 s in FP32). Under an ``AllocationTracker`` entered after this mode,
-    the tracker sees the same op with the same FP16 outputs, so the measured tensors are those of
-    the native kernel; only the arithmetic differs (FP32 accumulation, one rounding). Other FP16
-    CPU kernels are within a few times of FP32 and run natively.
-    """
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten.convolution_backward.default and _is_cpu_half(args[0]):
-            grad_output, inputs, weight = (t.float() for t in args[:3])
-            grads = func(grad_output, inputs, weight, *args[3:], **kwargs)
-            return tuple(None if g is None else g.to(args[0].dtype) for g in grads)
-        return func(*args, **kwargs)
-
-
-def _is_cpu_half(tensor: torch.Tensor) -> bool:
-    return tensor.dtype == torch.float16 and tensor.device.type == "cpu"
-
-
 def measure_peak(
     train_step: Callable[[], object],
     model: nn.Module | None = None,
@@ -264,13 +242,14 @@ def measure_peak(
     """Run ``train_step`` once for real and measure its memory peak on the model's device.
 
     The step runs for real: it updates the weights and every other piece of training state.
-    fp32_conv_backward_on_cpu: see ``Fp32ConvolutionBackward`` (no effect on CUDA or in FP32).
+    fp32_conv_backward_on_cpu: see ``lowmem.techniques.precision.CpuHalfConvolutionBackward`` (no effect
+        on CUDA or in FP32).
     """
     device = next(model.parameters()).device if model is not None else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    emulation = Fp32ConvolutionBackward() if fp32_conv_backward_on_cpu and device.type == "cpu" \
+    emulation = CpuHalfConvolutionBackward() if fp32_conv_backward_on_cpu and device.type == "cpu" \
         else contextlib.nullcontext()
     with emulation, track_peak(model, optimizer, device) as tracker:
         train_step()

@@ -42,7 +42,7 @@ def profile_trainer(trainer, measure: bool = True) -> MemoryReport:
     for part, weight in trainer.microbatches(batch):
         distinct.setdefault(_shapes(part), [part, weight, 0])[2] += 1
     microbatches = [
-        Microbatch(functools.partial(trainer.microbatch_backward, part, weight), count)
+        Microbatch(functools.partial(trainer.microbatch_backward, part, weight, local=True), count)
         for part, weight, count in distinct.values()
     ]
     masks = trainer.sparsity.masks if trainer.sparsity is not None else None

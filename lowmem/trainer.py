@@ -30,6 +30,7 @@ from lowmem.techniques.precision import (
     PrecisionPolicy,
     autocast_context,
     convert_model,
+    fast_cpu_half_kernels,
     make_loss_scaler,
     make_policy,
 )
@@ -111,14 +112,19 @@ class Trainer:
             parts = [(batch, 1.0)]
         return [(part, weight * rank_weight) for part, weight in parts]
 
-    def microbatch_backward(self, part: Any, weight: float, index: int = 0, count: int = 1) -> torch.Tensor:
+    def microbatch_backward(
+        self, part: Any, weight: float, index: int = 0, count: int = 1, *, local: bool = False
+    ) -> torch.Tensor:
         """Forward and backward of one microbatch; returns its (unweighted, detached) mean loss.
 
-        Under data parallelism the gradient all-reduce waits for the last of ``count`` microbatches.
+        Under data parallelism the gradient all-reduce waits for the last of ``count`` microbatches;
+        ``local=True`` bypasses the data-parallel wrapper (no collective: what one rank alone does,
+        as the profiler needs).
         """
-        with no_sync_except_last(self.model, index, count):
+        model = self.unwrapped_model if local else self.model
+        with no_sync_except_last(model, index, count):
             with autocast_context(self.policy, self.device):
-                loss = self.recipe.loss(self.model, part)
+                loss = self.recipe.loss(model, part)
             # 2. Loss scaling (FP16): gradients stay scaled; the optimizer unscales them in FP32.
             self.scaler.scale_loss(loss * weight).backward()
         return loss.detach()
@@ -194,7 +200,7 @@ class Trainer:
                 progress.start_epoch(state.epoch, len(train), state.batch_in_epoch)
                 started = time.perf_counter()
                 for batch in train.epoch(state.epoch, state.batch_in_epoch):
-                    with peak.track(first_only=state.step > 0):
+                    with fast_cpu_half_kernels(self.policy, self.device), peak.track(first_only=state.step > 0):
                         record = self.train_step(batch)
                     state.step += 1
                     state.batch_in_epoch += 1
