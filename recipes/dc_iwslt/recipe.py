@@ -80,9 +80,10 @@ def label_smoothed_loss(
     Returns (smoothed loss sum, NLL sum); logits [B, T, V], target [B, T].
     """
     lprobs = F.log_softmax(logits.float(), dim=-1)
-    keep = target.ne(PAD)
-    nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)[keep]
-    smooth = -lprobs.sum(-1)[keep]
+    # Masked sums, not boolean indexing: shapes stay static (the profiler traces on fake tensors).
+    padding = target.eq(PAD)
+    nll = (-lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)).masked_fill(padding, 0.0)
+    smooth = (-lprobs.sum(-1)).masked_fill(padding, 0.0)
     eps_i = epsilon / (lprobs.size(-1) - 1)
     return ((1.0 - epsilon - eps_i) * nll + eps_i * smooth).sum(), nll.sum()
 
