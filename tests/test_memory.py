@@ -26,8 +26,8 @@ from lowmem.memory import (
     profile_step,
 )
 from lowmem.memory_activations import maybe_fake
-from lowmem.memory_peak import Fp32ConvolutionBackward
 from lowmem.techniques.checkpointing import apply_checkpointing
+from lowmem.techniques.precision import CpuHalfConvolutionBackward
 from recipes.wrn_cifar.model import WideResNet
 from tests.helpers import ROOT, TINY_WRN
 
@@ -323,7 +323,7 @@ def test_fp32_convolution_backward_keeps_fp16_outputs():
     native = [t.grad.clone() for t in (x, conv.weight, conv.bias)]
     for t in (x, conv.weight, conv.bias):
         t.grad = None
-    with Fp32ConvolutionBackward():
+    with CpuHalfConvolutionBackward():
         conv(x).square().sum().backward()
     for expected, t in zip(native, (x, conv.weight, conv.bias), strict=True):
         assert t.grad.dtype == torch.float16
