@@ -50,7 +50,7 @@ def run(args: list[str]) -> subprocess.CompletedProcess:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--out", default=str(ROOT / "outputs" / "demo"))
     parser.add_argument("--only-baseline", action="store_true", help="train the dense FP32 baseline only")
     args = parser.parse_args()
