@@ -26,8 +26,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.utils._pytree import tree_leaves
 
+from lowmem import distributed
 from lowmem.config import register_configs
 from lowmem.memory import MemoryReport, Microbatch, profile_step
+from lowmem.run_files import save_json
 
 register_configs()
 
@@ -64,19 +66,31 @@ def profile_config(cfg: DictConfig, measure: bool = True) -> dict[str, Any]:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Build the configuration, profile it, print the table; return the JSON row."""
-    from lowmem.trainer import build_trainer
+    """Build the configuration, profile it, print the table; return the JSON row.
 
+    Under torchrun every rank profiles its own share of the global minibatch (per-rank memory);
+    each rank prints its table and row, tagged with ``rank`` and ``world_size``.
+    """
+    from lowmem.trainer import build_trainer, resolve_device
+
+    distributed.init_from_environment(resolve_device(cfg.trainer.device))
     trainer = build_trainer(cfg)
     report = profile_trainer(trainer, measure=cfg.profile.measure_peak)
     print(report.table())
-    return {**report.to_json(), "device": str(trainer.device), "torch": torch.__version__}
+    return {
+        **report.to_json(),
+        "device": str(trainer.device),
+        "torch": torch.__version__,
+        "rank": distributed.rank(),
+        "world_size": distributed.world_size(),
+    }
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     row = run(cfg)
-    (Path(HydraConfig.get().runtime.output_dir) / "profile.json").write_text(json.dumps(row, indent=1) + "\n")
+    name = "profile.json" if row["world_size"] == 1 else f"profile.rank{row['rank']}.json"
+    save_json(row, Path(HydraConfig.get().runtime.output_dir) / name)
     print(json.dumps(row), flush=True)
 
 

@@ -117,3 +117,45 @@ def test_a_global_batch_not_divisible_by_the_ranks_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="data.batch_size=20 .* divisible by the number of ranks"):
         build_trainer(make_config(*TINY_WRN))
+
+
+def test_the_profiler_reports_per_rank_memory_under_torchrun(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    tiny = [
+        "+recipe=wrn_cifar",
+        "data=fake",
+        "model.depth=10",
+        "model.width=1",
+        "data.batch_size=20",
+        "profile.measure_peak=false",
+    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    out = subprocess.run(
+        [*torchrun, "-m", "lowmem.profile", *tiny, f"hydra.run.dir={tmp_path / 'ddp'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = sorted(
+        (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")), key=lambda row: row["rank"]
+    )
+    single = subprocess.run(
+        [sys.executable, "-m", "lowmem.profile", *tiny, f"hydra.run.dir={tmp_path / 'one'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    whole = json.loads(single.stdout.splitlines()[-1])
+    assert [(row["rank"], row["world_size"]) for row in rows] == [(0, 2), (1, 2)]
+    # Each rank holds the activations of its half of the global batch of 20.
+    assert all(
+        abs(row["activation_bytes"] * 2 - whole["activation_bytes"]) <= 0.01 * whole["activation_bytes"] for row in rows
+    )
