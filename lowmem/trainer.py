@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from torch import nn
 
 from lowmem import distributed
 from lowmem.config import ConfigError, microbatch_mode, validate
+from lowmem.memory import track_peak
 from lowmem.metrics_log import MetricsLog, Progress
 from lowmem.recipe import Recipe, RecipeData, TechniqueDefaults, get_recipe
 from lowmem.run_files import CHECKPOINT, METRICS, MODEL, RESULT, provenance, save_json, save_torch
@@ -200,7 +203,7 @@ class Trainer:
                 progress.start_epoch(state.epoch, len(train), state.batch_in_epoch)
                 started = time.perf_counter()
                 for batch in train.epoch(state.epoch, state.batch_in_epoch):
-                    with fast_cpu_half_kernels(self.policy, self.device), peak.track(first_only=state.step > 0):
+                    with fast_cpu_half_kernels(self.policy, self.device), peak.track(state.step):
                         record = self.train_step(batch)
                     state.step += 1
                     state.batch_in_epoch += 1
@@ -337,28 +340,18 @@ class PeakTracker:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-    def track(self, first_only: bool):
-        from contextlib import contextmanager
-
-        @contextmanager
-        def tracking():
-            if self.device.type == "cuda":
+    @contextmanager
+    def track(self, step: int) -> Iterator[None]:
+        """Measure training step number ``step`` (0-based): on CUDA every step, on CPU the first only."""
+        if self.device.type == "cuda":
+            yield
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+        elif step > 0:
+            yield
+        else:
+            with track_peak(device=self.device) as tracker:
                 yield
-                self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
-            elif first_only:
-                yield
-            else:
-                try:
-                    from lowmem.memory import track_peak
-                except ImportError:  # TEMP until the profiler lands
-                    yield
-                    return
-
-                with track_peak() as tracker:
-                    yield
-                self.peak_bytes = tracker.peak_bytes
-
-        return tracking()
+            self.peak_bytes = tracker.peak_bytes
 
 
 def _build_optimizer(optim_cfg, params: list[nn.Parameter], lr: float, policy: PrecisionPolicy):
