@@ -161,11 +161,7 @@ class Trainer:
         # 4. Overflow check; under data parallelism an overflow on any rank skips the step everywhere.
         overflow = distributed.any_rank(self.scaler.found_overflow(self.params), self.device)
         record: dict[str, Any] = {"loss": float(loss_total), "loss_scale": self.scaler.scale}
-        epoch_position = (
-            self.state.epoch + self.state.batch_in_epoch / max(len(self.data.train), 1)
-            if self.data is not None
-            else float(self.state.epoch)
-        )
+        epoch_position = self.state.epoch + self.state.batch_in_epoch / len(self.data.train)
         if overflow:
             self.state.skipped += 1
         else:

@@ -35,9 +35,7 @@ import shutil
 import sys
 import tarfile
 import tempfile
-import threading
 import time
-import urllib.request
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import pairwise
@@ -47,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from lowmem.download import fetch  # noqa: E402
 from recipes.dc_iwslt.data import Dictionary, write_token_file  # noqa: E402
 
 log = logging.getLogger("prepare_iwslt14")
@@ -78,36 +77,6 @@ class PreparationError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------- download
-
-
-def fetch(url: str, destination: Path, timeout_s: float) -> str:
-    """Stream ``url`` into ``destination`` and return the MD5 of the bytes.
-
-    The request runs in a thread joined with a deadline, because name lookups ignore socket
-    timeouts: an offline machine fails here within ``timeout_s``, before any long transfer starts.
-    Once the server has answered, ``timeout_s`` bounds every read.
-    """
-    answers: list = []
-
-    def request() -> None:
-        try:
-            answers.append(urllib.request.urlopen(url, timeout=timeout_s))
-        except Exception as error:  # handed to the caller's thread below
-            answers.append(error)
-
-    thread = threading.Thread(target=request, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if not answers:
-        raise TimeoutError(f"no answer within {timeout_s:g} s")
-    if isinstance(answers[0], BaseException):
-        raise answers[0]
-    digest = hashlib.md5()
-    with answers[0] as response, open(destination, "wb") as file:
-        while chunk := response.read(1 << 20):
-            digest.update(chunk)
-            file.write(chunk)
-    return digest.hexdigest()
 
 
 def download_archive(urls: Sequence[str], destination: Path, md5: str | None, timeout_s: float) -> str:

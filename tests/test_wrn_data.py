@@ -10,6 +10,7 @@ import hashlib
 import pickle
 import tarfile
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -300,7 +301,7 @@ def test_cifar10_offline_fails_fast_and_leaves_nothing(tmp_path):
 
 def test_cifar10_hanging_name_lookup_is_cut_off(tmp_path, monkeypatch):
     # A name lookup ignores socket timeouts: the request thread's deadline must end the wait.
-    monkeypatch.setattr(data.urllib.request, "urlopen", lambda *args, **kwargs: time.sleep(5))
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *args, **kwargs: time.sleep(5))
     start = time.monotonic()
     with pytest.raises(DataUnavailableError, match="no answer within 0.5 s") as caught:
         data.load_cifar10(str(tmp_path), download_timeout_s=0.5)

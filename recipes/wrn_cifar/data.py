@@ -27,8 +27,6 @@ import pickle
 import shutil
 import tarfile
 import tempfile
-import threading
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torchvision.datasets import CIFAR10
+
+from lowmem.download import fetch
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def _download_cifar10(root: Path, url: str, timeout_s: float) -> None:
         archive = staging / CIFAR10_ARCHIVE
         log.info("downloading CIFAR-10 from %s into %s", url, root)
         try:
-            actual = _fetch(url, archive, timeout_s)
+            actual = fetch(url, archive, timeout_s)
         except (OSError, http.client.HTTPException) as error:  # URLError, timeouts, refusals, cut-offs
             raise DataUnavailableError(_cifar10_unavailable(root, url, error)) from error
         if actual != CIFAR10_ARCHIVE_MD5:
@@ -167,36 +167,6 @@ def _download_cifar10(root: Path, url: str, timeout_s: float) -> None:
             # Another process finished the same download first: use its (verified) copy.
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _fetch(url: str, destination: Path, timeout_s: float) -> str:
-    """Stream ``url`` into ``destination``; returns the MD5 of the bytes received.
-
-    The request runs in a thread joined with a deadline because a name lookup ignores socket
-    timeouts; once the server has answered, ``timeout_s`` bounds each read.
-    """
-    responses: list[http.client.HTTPResponse] = []
-    errors: list[BaseException] = []
-
-    def request() -> None:
-        try:
-            responses.append(urllib.request.urlopen(url, timeout=timeout_s))
-        except Exception as error:  # handed over to the caller's thread below
-            errors.append(error)
-
-    thread = threading.Thread(target=request, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if errors:
-        raise errors[0]
-    if not responses:
-        raise TimeoutError(f"no answer within {timeout_s:g} s")
-    digest = hashlib.md5()
-    with responses[0] as response, open(destination, "wb") as file:
-        while chunk := response.read(1 << 20):
-            digest.update(chunk)
-            file.write(chunk)
-    return digest.hexdigest()
 
 
 def _cifar10_unavailable(root: Path, url: str, error: BaseException) -> str:
