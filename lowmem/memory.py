@@ -5,6 +5,8 @@ Two different figures, never mixed (SPEC §4):
 - the **accounting** (report §2.2, Appendix B): ``model_bytes`` (parameters, sparse ones as CSR),
   ``optimizer_bytes`` (gradient + momentum buffers), ``activation_bytes`` (peak of what backward
   needs, read off the real autograd graph: ``lowmem.memory_activations``), ``total_bytes`` their sum;
+  ``activation_held_bytes`` is the same tensors' peak as this run's autograd really held them
+  (gradients until their storage dies, not only while a node needs them);
 - the **measured peak** ``peak_bytes`` of one real training step on the device
   (``lowmem.memory_peak``), which also holds temporaries, gradient scratch and everything else.
 
@@ -88,6 +90,7 @@ class MemoryReport:
     activation_at_peak: dict[str, int]  # saved / recomputed / gradient bytes at the activation peak
     activation_location: str  # where the activation peak happened
     activation_stored_before_backward: int  # saved when backward starts (checkpoints only, if any)
+    activation_held_bytes: int  # the same tensors as autograd here really held them (see table())
     peak_source: str = ""  # "cuda allocator" or "cpu tensor tracker"
     seconds: dict[str, float] = field(default_factory=dict)  # time spent per measurement
 
@@ -107,7 +110,8 @@ class MemoryReport:
             f"  optimizer    {mb(self.optimizer_bytes)}",
             f"  activations  {mb(self.activation_bytes)}   at {self.activation_location}",
             *(f"    {name:<11}{mb(value)}" for name, value in self.activation_at_peak.items()),
-            f"    (stored when backward starts: {mb(self.activation_stored_before_backward).strip()})",
+            f"    (stored when backward starts: {mb(self.activation_stored_before_backward).strip()}; "
+            f"held by this run's autograd at most: {mb(self.activation_held_bytes).strip()})",
             f"  total        {mb(self.total_bytes)}",
             f"measured peak ({self.peak_source or 'not measured'})",
             f"  peak         {mb(self.peak_bytes)}   at {self.peak_location or 'n/a'}",
@@ -166,6 +170,7 @@ def profile_step(
         activation_at_peak=activations.at_peak,
         activation_location=f"{activations.peak_phase}: {activations.peak_location}",
         activation_stored_before_backward=activations.stored_before_backward,
+        activation_held_bytes=max(trace.held_bytes for trace, _ in traces),
         peak_source="" if peak is None else peak.source,
         seconds={k: round(v, 2) for k, v in seconds.items()},
     )

@@ -14,9 +14,17 @@ and backward pass, of the bytes alive in three kinds of tensors, each storage co
   does not count (Appendix B: "we also do not calculate temporary memory for intermediate
   computations"); a recomputed block output that the next block reads is saved by that block and
   so is counted.
-- gradient: gradients with respect to activations (the backward activations), from when a node
-  produces them until their storage dies. Gradients reaching parameters, or tensors computed from
-  parameters alone (``weight.t()``, a cast), are optimizer memory and are not counted.
+- gradient: gradients with respect to activations (the backward activations). Appendix B: "to
+  compute backward through a node [...] we need the node's inputs as well as the gradients of the
+  loss with respect to the node's outputs". So a gradient counts from when a node produces it until
+  the nodes it is sent to have read it (an addition sends one gradient to both branches: it waits
+  for both), and moments are taken when a node starts: its incoming gradients count, the gradient
+  it is computing counts from the next node on. A gradient captured by ``torch.autograd.grad``
+  (a checkpoint's recomputation) waits until its storage dies. Gradients reaching parameters, or
+  tensors computed from parameters alone (``weight.t()``, a cast), are optimizer memory and are
+  not counted. ``held_bytes`` is also kept: the peak with every gradient counted until its storage
+  dies, i.e. what this execution's autograd really held (a custom Function's ``grad_output``, for
+  one, lives until its backward returns); it is higher by about one or two gradients.
 
 How: ``saved_tensors_hooks``, active over forward *and* backward, wrap each saved tensor in a handle
 whose death (``weakref.finalize``) marks its release, so recomputation inside backward is seen
@@ -36,6 +44,7 @@ import contextlib
 import itertools
 import math
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -60,8 +69,9 @@ CATEGORIES = ("saved", "recomputed", "gradient")
 class ActivationTrace:
     """Activation memory of one forward + backward (bytes, the report's accounting)."""
 
-    activation_bytes: int  # the maximum over the pass of all CATEGORIES together
+    activation_bytes: int  # the maximum over the pass of all CATEGORIES together (the report's view)
     at_peak: dict[str, int]  # bytes per category at that moment
+    held_bytes: int  # the maximum of what this execution's autograd actually kept alive
     max_saved_bytes: int  # maximum of saved + recomputed alone (the end of forward, usually)
     stored_before_backward: int  # saved bytes when backward starts: the checkpoints, with checkpointing
     peak_phase: str  # "forward" or "backward"
@@ -95,49 +105,115 @@ class _Handle:
         self.tensor = tensor
 
 
+class _Entry:
+    """One counted key: its bytes, how many holders keep it, its category and, for a gradient,
+    how many nodes it is still waiting for and how many running nodes are reading it."""
+
+    __slots__ = ("nbytes", "holders", "category", "waiting", "readers")
+
+    def __init__(self, nbytes: int, category: str) -> None:
+        self.nbytes, self.holders, self.category = nbytes, 1, category
+        self.waiting = self.readers = 0
+
+    @property
+    def needed(self) -> bool:
+        """Whether the report's node-by-node view counts this entry now (forward tensors: always,
+        while held; gradients: while waiting for, or being read by, a node)."""
+        return self.category != "gradient" or self.waiting > 0 or self.readers > 0
+
+
 class _Ledger:
-    """Live bytes per category. Each key (a storage, or one ReLU mask) counts once, in the category
-    it first entered with and with the widest view of it seen, until its last holder releases it."""
+    """Live bytes per category, in two views, with the maximum of each over the pass.
+
+    Each key (a storage, or one ReLU mask) counts once, in the category it first entered with and
+    with the widest view of it seen, until its last holder releases it (its storage dies). That is
+    the *held* view: what this execution's autograd keeps alive. The *needed* view, the report's
+    definition, counts a gradient only from when a node produces it until the nodes it is sent to
+    have read it (while one of them runs), and is evaluated when a node starts: a node's incoming
+    gradients count, the one it is computing counts from the next node on (Appendix B: backprop
+    through a node needs its inputs and the gradients w.r.t. its outputs).
+    """
 
     def __init__(self, location: Callable[[], tuple[str, str]]) -> None:
-        self.entries: dict[int, list] = {}  # key -> [bytes, holders, category]
-        self.live = dict.fromkeys(CATEGORIES, 0)
-        self.peak_total = self.peak_stored = 0
-        self.at_peak = dict(self.live)
+        self.entries: dict[int, _Entry] = {}
+        self.held = dict.fromkeys(CATEGORIES, 0)
+        self.needed = dict.fromkeys(CATEGORIES, 0)
+        self.peak_needed = self.peak_held = self.peak_stored = 0
+        self.at_peak = dict(self.needed)
         self.peak_phase = self.peak_location = ""
         self.stored_before_backward: int | None = None
         self._location = location
 
     def _note_backward_start(self) -> None:
         if self.stored_before_backward is None and torch._C._current_autograd_node() is not None:
-            self.stored_before_backward = self.live["saved"] + self.live["recomputed"]
+            self.stored_before_backward = self.held["saved"] + self.held["recomputed"]
+
+    def _recount(self, entry: _Entry, change) -> None:
+        """Apply ``change`` to ``entry``, keeping the needed view's sums right."""
+        before = entry.needed
+        change(entry)
+        if entry.needed != before:
+            self.needed[entry.category] += entry.nbytes if entry.needed else -entry.nbytes
 
     def acquire(self, key: int, nbytes: int, category: str) -> None:
         self._note_backward_start()
         entry = self.entries.get(key)
         if entry is None:
-            self.entries[key] = [nbytes, 1, category]
-            self.live[category] += nbytes
+            entry = self.entries[key] = _Entry(nbytes, category)
+            self.held[category] += nbytes
+            if entry.needed:
+                self.needed[category] += nbytes
         else:
-            entry[1] += 1
-            if nbytes <= entry[0]:
+            entry.holders += 1
+            if nbytes <= entry.nbytes:
                 return
             # A wider view of a storage already held: the storage counts its widest view.
-            self.live[entry[2]] += nbytes - entry[0]
-            entry[0] = nbytes
-        self.peak_stored = max(self.peak_stored, self.live["saved"] + self.live["recomputed"])
-        total = sum(self.live.values())
-        if total > self.peak_total:
-            self.peak_total, self.at_peak = total, dict(self.live)
-            self.peak_phase, self.peak_location = self._location()
+            self.held[entry.category] += nbytes - entry.nbytes
+            if entry.needed:
+                self.needed[entry.category] += nbytes - entry.nbytes
+            entry.nbytes = nbytes
+        self.peak_stored = max(self.peak_stored, self.held["saved"] + self.held["recomputed"])
+        self.peak_held = max(self.peak_held, sum(self.held.values()))
+        if category != "gradient":  # gradients are evaluated when the node reading them starts
+            self.evaluate()
 
     def release(self, key: int) -> None:
         self._note_backward_start()
         entry = self.entries[key]
-        entry[1] -= 1
-        if entry[1] == 0:
+        entry.holders -= 1
+        if entry.holders == 0:
             del self.entries[key]
-            self.live[entry[2]] -= entry[0]
+            self.held[entry.category] -= entry.nbytes
+            if entry.needed:
+                self.needed[entry.category] -= entry.nbytes
+
+    def sent(self, key: int, nodes: int) -> None:
+        """The gradient under ``key`` was produced for ``nodes`` nodes (at least that many wait)."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            self._recount(entry, lambda e: setattr(e, "waiting", max(e.waiting, nodes)))
+
+    def reading(self, key: int) -> None:
+        """A node starts and reads the gradient under ``key``."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            def start(e: _Entry) -> None:
+                e.waiting, e.readers = max(0, e.waiting - 1), e.readers + 1
+
+            self._recount(entry, start)
+
+    def read(self, key: int) -> None:
+        """A node that read the gradient under ``key`` is done."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            self._recount(entry, lambda e: setattr(e, "readers", max(0, e.readers - 1)))
+
+    def evaluate(self) -> None:
+        """A moment of the report's node-by-node view: keep it if it is the maximum so far."""
+        total = sum(self.needed.values())
+        if total > self.peak_needed:
+            self.peak_needed, self.at_peak = total, dict(self.needed)
+            self.peak_phase, self.peak_location = self._location()
 
 
 class ActivationTracer(TorchDispatchMode):
@@ -227,20 +303,25 @@ class ActivationTracer(TorchDispatchMode):
             state_shapes = {t.shape for t in state_inputs}
             for tensor in outputs:
                 if tensor.is_floating_point() and tensor.shape not in state_shapes:
-                    self._track_storage(tensor, "gradient")
+                    key = self._track_storage(tensor, "gradient")
+                    if key is not None:
+                        self.ledger.sent(key, 1)  # for the next op of this backward
         return out
 
-    def _track_storage(self, tensor: torch.Tensor, category: str) -> None:
-        """Count ``tensor``'s storage (once) in ``category`` until the storage dies."""
+    def _track_storage(self, tensor: torch.Tensor, category: str) -> int | None:
+        """Count ``tensor``'s storage (once) in ``category`` until the storage dies; its key
+        (None for model state)."""
         key = storage_key(tensor)
-        if key in self.from_state or key in self.ledger.entries:
-            return
-        weakref.finalize(tensor.untyped_storage(), self.ledger.release, key)
-        self.ledger.acquire(key, held_bytes(tensor), category)
+        if key in self.from_state:
+            return None
+        if key not in self.ledger.entries:
+            weakref.finalize(tensor.untyped_storage(), self.ledger.release, key)
+            self.ledger.acquire(key, held_bytes(tensor), category)
+        return key
 
     def _category(self, tensor: torch.Tensor) -> str | None:
         entry = self.ledger.entries.get(storage_key(tensor))
-        return None if entry is None else entry[2]
+        return None if entry is None else entry.category
 
     def _mark_from_state(self, tensor: torch.Tensor) -> None:
         key = storage_key(tensor)
@@ -261,19 +342,27 @@ class ActivationTracer(TorchDispatchMode):
             next_node is not None and not self._outputs_model_state(next_node)
             for next_node, _ in node.next_functions
         )
-        track = self._track_storage
+        track, ledger = self._track_storage, self.ledger
+        reads = not metadata[_FROM_STATE]  # a node on model state alone computes weight gradients
 
-        def after(grad_inputs, grad_outputs):
-            for grad, activation in zip(grad_inputs, is_activation, strict=False):
-                if grad is not None and activation:
-                    track(grad, "gradient")
+        def gradient_keys(grads) -> list[int]:
+            return [key for grad in grads if grad is not None and (key := track(grad, "gradient")) is not None]
 
         def before(grad_outputs):
-            for grad in grad_outputs:
-                if grad is not None:
-                    track(grad, "gradient")
+            for key in gradient_keys(grad_outputs):
+                ledger.reading(key)
+            ledger.evaluate()
 
-        if not metadata[_FROM_STATE]:
+        def after(grad_inputs, grad_outputs):
+            if reads:
+                for key in gradient_keys(grad_outputs):
+                    ledger.read(key)
+            # A gradient sent to several nodes (an addition's, to both branches) waits for each.
+            sent = [g for g, activation in zip(grad_inputs, is_activation, strict=False) if activation]
+            for key, nodes in Counter(gradient_keys(sent)).items():
+                ledger.sent(key, nodes)
+
+        if reads:
             node.register_prehook(before)
         node.register_hook(after)
 
@@ -303,8 +392,9 @@ class ActivationTracer(TorchDispatchMode):
     def trace(self) -> ActivationTrace:
         ledger = self.ledger
         return ActivationTrace(
-            activation_bytes=ledger.peak_total,
+            activation_bytes=ledger.peak_needed,
             at_peak=dict(ledger.at_peak),
+            held_bytes=ledger.peak_held,
             max_saved_bytes=ledger.peak_stored,
             stored_before_backward=ledger.stored_before_backward or 0,
             peak_phase=ledger.peak_phase,

@@ -11,10 +11,15 @@ Strategies (``checkpointing.strategy``, with ``checkpointing.every=m``):
   block, last block first, releasing each block's recomputed tensors as soon as its backward is
   done. The segment's output is never held: backward starts from its gradient edge. Works for any
   block.
-- ``residual_star``: ``residual`` outside, ``no_bn`` inside the recomputed segment: while a
-  segment is backpropagated the recomputed block inputs and first-conv outputs of the blocks not
-  yet backpropagated are held, BN and ReLU outputs never (backward recomputes them on the fly,
-  into one buffer, and applies the ReLU backward in place).
+- ``residual_star``: the report's recursive variant. Only each segment's input is stored. Backward
+  first recomputes the segment's block outputs without a graph (the last block's is never needed)
+  and holds them until the block that reads them is backpropagated; then, last block first, it
+  recomputes each block's graph from its input, backpropagates it and drops it. Inside a block the
+  first convolution's output is held, BN and ReLU outputs never (``no_bn``: backward recomputes
+  them on the fly, into one buffer, and applies the ReLU backward in place). A block that declares
+  ``residual_branch_ends_with_norm_relu_conv`` (its last norm-ReLU-conv output is only added to
+  the shortcut) has that last convolution skipped when its graph is rebuilt for backprop: its
+  output is never read, and its backward needs only its input.
 
 Recomputation replays the RNG state (identical dropout masks) and the autocast state, and sends
 BatchNorm running-statistic updates to scratch copies, so the statistics are updated exactly once
@@ -89,7 +94,8 @@ def apply_checkpointing(model: nn.Module, strategy: str, every: int = 1) -> None
         if routes_norm_relu_conv(block):
             set_norm_relu_conv(block, recomputed_norm_relu_conv if recompute_norm else plain_norm_relu_conv)
     if strategy in ("residual", "residual_star"):
-        set_block_executor(model, functools.partial(run_checkpointed_segments, every=every))
+        recursive = strategy == "residual_star"
+        set_block_executor(model, functools.partial(run_checkpointed_segments, every=every, recursive=recursive))
     else:
         set_block_executor(model, run_sequentially)
 
@@ -156,14 +162,16 @@ class _RngState:
             yield
 
 
-def _recomputation_input(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _recomputation_input(
+    tensor: torch.Tensor, requires_grad: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A new leaf sharing ``tensor``'s storage, to differentiate the recomputation against, and the
     alias of it to feed the recomputation with.
 
     The alias is a non-leaf because module hooks that watch their inputs' gradients (the module
     tracker of FlopCounterMode) fail on a leaf inside ``torch.autograd.grad``.
     """
-    leaf = tensor.detach().requires_grad_(tensor.requires_grad)
+    leaf = tensor.detach().requires_grad_(tensor.requires_grad if requires_grad is None else requires_grad)
     with torch.enable_grad():  # backward runs with grad mode off
         return leaf, (leaf.view_as(leaf) if leaf.requires_grad else leaf)
 
@@ -172,9 +180,13 @@ def _recomputation_input(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def run_checkpointed_segments(
-    blocks: Sequence[nn.Module], x: torch.Tensor, context: tuple, every: int
+    blocks: Sequence[nn.Module], x: torch.Tensor, context: tuple, every: int, recursive: bool = False
 ) -> torch.Tensor:
-    """Block executor: run ``blocks`` in segments of ``every``, storing only each segment's input."""
+    """Block executor: run ``blocks`` in segments of ``every``, storing only each segment's input.
+
+    recursive: backpropagate each segment the ``residual_star`` way (block outputs first, then one
+        block's graph at a time) instead of recomputing the whole segment's graph at once.
+    """
     if not torch.is_grad_enabled():
         return run_sequentially(blocks, x, context)
     is_tensor = [isinstance(item, torch.Tensor) for item in context]
@@ -185,7 +197,7 @@ def run_checkpointed_segments(
         # DDP and torch.autograd.grad see them) instead of being accumulated behind its back.
         params = [p for block in segment for p in block.parameters() if p.requires_grad]
         x = _CheckpointedSegment.apply(
-            segment, context, is_tensor, x, len(context_tensors), *context_tensors, *params
+            segment, context, is_tensor, recursive, x, len(context_tensors), *context_tensors, *params
         )
     return x
 
@@ -194,13 +206,20 @@ class _CheckpointedSegment(torch.autograd.Function):
     """Forward without storing the segment's activations; backward recomputes and backprops it."""
 
     @staticmethod
-    def forward(ctx, segment, context, is_tensor, x, num_context_tensors, *tensors):
-        ctx.segment, ctx.is_tensor = segment, is_tensor
+    def forward(ctx, segment, context, is_tensor, recursive, x, num_context_tensors, *tensors):
+        ctx.segment, ctx.is_tensor, ctx.recursive = segment, is_tensor, recursive
         ctx.skeleton = [None if t else item for t, item in zip(is_tensor, context, strict=True)]
         ctx.params = tensors[num_context_tensors:]
         ctx.rng, ctx.autocast = _RngState(x.device), _AutocastState.capture(x.device)
         ctx.save_for_backward(x, *tensors[:num_context_tensors])
-        return run_sequentially(segment, x, context)
+        # How many norm-ReLU-conv triples each block computes: the last one's convolution can be
+        # skipped when the block's graph is rebuilt for backprop (see _NormReluConvCalls).
+        ctx.triples = []
+        for block in segment:
+            with _NormReluConvCalls() as calls:
+                x = block(x, *context)
+            ctx.triples.append(calls.count)
+        return x
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -209,51 +228,160 @@ class _CheckpointedSegment(torch.autograd.Function):
         context = tuple(
             next(remaining) if t else item for t, item in zip(ctx.is_tensor, ctx.skeleton, strict=True)
         )
-        # needs_input_grad covers (segment, context, is_tensor, x, num_context_tensors, *tensors).
-        needed = [ctx.needs_input_grad[3]] + list(ctx.needs_input_grad[5:])
-        # Recompute the segment block by block, each block's graph on its own: block k's input is
-        # a fresh leaf sharing the storage of block k-1's output, so after block k is backpropagated
-        # (last block first) its saved tensors are released while the earlier blocks' graphs stay.
-        # Held at once: the recomputed graphs still to backpropagate (their block inputs and what
-        # they save) and the gradient flowing back; never a block's output for its own sake: the
-        # last block's output is dropped right away and backward starts from its gradient edge.
+        # needs_input_grad covers (segment, context, is_tensor, recursive, x, num_context_tensors, *tensors).
+        needed = [ctx.needs_input_grad[4]] + list(ctx.needs_input_grad[6:])
+        segment = _SegmentBackprop(ctx, context, leaves[1:], needed)
+        with ctx.autocast.restore(), scratch_running_stats(ctx.segment.modules()):
+            if ctx.recursive:
+                grad = segment.recursively(leaves[0], aliases[0], grad_output)
+            else:
+                grad = segment.all_at_once(leaves[0], aliases[0], grad_output)
+        return (None, None, None, None, grad, None, *segment.accumulated)
+
+
+class _SegmentBackprop:
+    """Backward of one checkpointed segment, block by block, last block first.
+
+    Gradients of the context tensors and parameters are summed over the blocks into
+    ``accumulated`` (each parameter of a plain model is in one block; context tensors are read by
+    every block). Held at any moment: what the schedule keeps for the blocks still to
+    backpropagate, the graph of the block being backpropagated and the gradient flowing back;
+    never a block's output for its own sake (backward starts from the output's gradient edge).
+    """
+
+    def __init__(self, ctx, context: tuple, context_leaves: Sequence[torch.Tensor], needed: list[bool]) -> None:
+        self.blocks, self.rng, self.triples = ctx.segment, ctx.rng, ctx.triples
+        self.context = context
+        self.outer = [*context_leaves, *ctx.params]
+        self.outer_needed = needed[1:]
+        self.need_segment_input = needed[0]
+        self.accumulated: list[torch.Tensor | None] = [None] * len(self.outer)
+
+    def all_at_once(self, x_leaf: torch.Tensor, x_alias: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+        """``residual``: recompute every block's graph (one forward of each), then backprop them.
+
+        Block k's input is a fresh leaf sharing the storage of block k-1's output, so after block
+        k is backpropagated its saved tensors are released while the earlier blocks' graphs stay.
+        """
         block_inputs, output_edges = [], []
-        x_leaf, x_alias = leaves[0], aliases[0]
-        with ctx.rng.replayed(), ctx.autocast.restore(), scratch_running_stats(ctx.segment.modules()):
-            with torch.enable_grad():
-                for index, block in enumerate(ctx.segment):
-                    output = block(x_alias, *context)
-                    block_inputs.append(x_leaf)
-                    output_edges.append(torch.autograd.graph.get_gradient_edge(output))
-                    if index + 1 < len(ctx.segment):
-                        x_leaf, x_alias = _recomputation_input(output)
-                    del output
+        with self.rng.replayed(), torch.enable_grad():
+            for index, block in enumerate(self.blocks):
+                output = block(x_alias, *self.context)
+                block_inputs.append(x_leaf)
+                output_edges.append(torch.autograd.graph.get_gradient_edge(output))
+                if index + 1 < len(self.blocks):
+                    x_leaf, x_alias = _recomputation_input(output)
+                del output
         del x_leaf, x_alias  # the last block's input lives on in its graph only
-        # Gradients of the context tensors and parameters, summed over the blocks (each parameter
-        # of a plain model is in one block; context tensors are read by every block).
-        accumulated: list[torch.Tensor | None] = [None] * (len(leaves) - 1 + len(ctx.params))
-        outer = [*leaves[1:], *ctx.params]
-        outer_needed = needed[1:]
-        grad = grad_output
-        for index in range(len(ctx.segment) - 1, -1, -1):
-            edge, block_input = output_edges.pop(), block_inputs.pop()
-            need_input = index > 0 or needed[0]
-            wanted = ([block_input] if need_input else []) + [
-                t for t, need in zip(outer, outer_needed, strict=True) if need
-            ]
-            grads = list(torch.autograd.grad([edge], wanted, [grad], allow_unused=True)) if wanted else []
-            grad = grads.pop(0) if need_input else None
-            if index > 0 and grad is None:  # a block that ignores its input
-                grad = torch.zeros_like(block_input)
-            del edge, block_input  # the block's graph and input go now (its saved tensors already did)
-            extra = iter(grads)
-            for position, need in enumerate(outer_needed):
-                if need:
-                    value = next(extra)
-                    if value is not None:
-                        previous = accumulated[position]
-                        accumulated[position] = value if previous is None else previous + value
-        return (None, None, None, grad, None, *accumulated)
+        for index in range(len(self.blocks) - 1, -1, -1):
+            grad = self._backprop_block(index, output_edges.pop(), block_inputs.pop(), grad)
+        return grad
+
+    def recursively(self, x_leaf: torch.Tensor, x_alias: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+        """``residual_star``: recompute the block inputs without a graph, then for each block (last
+        first) rebuild its graph from its input, backprop it and drop it with the input.
+
+        Costs the same FLOPs as ``all_at_once`` when the blocks let the last convolution be skipped
+        (each block's first convolution runs twice, the last block's second never), and holds one
+        block's graph instead of the segment's.
+        """
+        inputs = [(x_leaf, x_alias, None)]  # per block: leaf, alias fed to the block, hold token
+        rng_states = []
+        with self.rng.replayed():
+            x = x_alias.detach()
+            for index, block in enumerate(self.blocks):
+                rng_states.append(_RngState(x.device))
+                if index + 1 < len(self.blocks):
+                    with torch.no_grad():
+                        x = block(x, *self.context)
+                    leaf, alias = _recomputation_input(x, requires_grad=x_leaf.requires_grad)
+                    inputs.append((leaf, alias, _hold(leaf)))
+        del x
+        for index in range(len(self.blocks) - 1, -1, -1):
+            leaf, alias, token = inputs.pop()
+            block = self.blocks[index]
+            skipped = self.triples[index] - 1 if _branch_ends_with_norm_relu_conv(block) else None
+            with rng_states.pop().replayed(), torch.enable_grad(), _NormReluConvCalls(skip=skipped):
+                output = block(alias, *self.context)
+            edge = torch.autograd.graph.get_gradient_edge(output)
+            del output, alias, token
+            grad = self._backprop_block(index, edge, leaf, grad)
+            del leaf
+        return grad
+
+    def _backprop_block(
+        self, index: int, edge, block_input: torch.Tensor, grad: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Backprop block ``index`` from its output's gradient edge; the gradient of its input."""
+        need_input = index > 0 or self.need_segment_input
+        wanted = ([block_input] if need_input else []) + [
+            t for t, need in zip(self.outer, self.outer_needed, strict=True) if need
+        ]
+        grads = list(torch.autograd.grad([edge], wanted, [grad], allow_unused=True)) if wanted else []
+        grad_input = grads.pop(0) if need_input else None
+        if index > 0 and grad_input is None:  # a block that ignores its input
+            grad_input = torch.zeros_like(block_input)
+        extra = iter(grads)
+        for position, need in enumerate(self.outer_needed):
+            if need:
+                value = next(extra)
+                if value is not None:
+                    previous = self.accumulated[position]
+                    self.accumulated[position] = value if previous is None else previous + value
+        return grad_input
+
+
+class _Hold(torch.autograd.Function):
+    """Identity that saves its input: a recomputed tensor held for a later step of a backward
+    becomes a saved tensor, visible to saved-tensor hooks (profilers, offloading) like the others."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _hold(leaf: torch.Tensor) -> torch.Tensor | None:
+    """A token keeping ``leaf`` registered as saved until the token is dropped."""
+    if not leaf.requires_grad:
+        return None
+    with torch.enable_grad():
+        return _Hold.apply(leaf)
+
+
+def _branch_ends_with_norm_relu_conv(block: nn.Module) -> bool:
+    return routes_norm_relu_conv(block) and bool(getattr(block, "residual_branch_ends_with_norm_relu_conv", False))
+
+
+class _NormReluConvCalls:
+    """Counts the norm-ReLU-conv triples a block computes; with ``skip``, the triple of that index
+    (0-based) saves its input but does not compute: its output is never read (it only reaches the
+    block's output, whose value a backprop-only recomputation drops)."""
+
+    _active: _NormReluConvCalls | None = None
+
+    def __init__(self, skip: int | None = None) -> None:
+        self.count, self.skip = 0, skip
+
+    def __enter__(self) -> _NormReluConvCalls:
+        self._outer, _NormReluConvCalls._active = _NormReluConvCalls._active, self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _NormReluConvCalls._active = self._outer
+
+    @classmethod
+    def next_is_skipped(cls) -> bool:
+        """Count one triple; whether it is the one whose convolution is skipped."""
+        calls = cls._active
+        if calls is None:
+            return False
+        calls.count += 1
+        return calls.count - 1 == calls.skip
 
 
 # --- no_bn: recompute BN-ReLU, never the convolution --------------------------------------------
@@ -266,6 +394,7 @@ def recomputed_norm_relu_conv(norm: nn.Module, conv: nn.Module, x: torch.Tensor)
     one converted by precision or simulated microbatching): backward calls it again.
     """
     if not torch.is_grad_enabled():
+        _NormReluConvCalls.next_is_skipped()  # counted, never skipped: the output is the result
         return plain_norm_relu_conv(norm, conv, x)
     if type(conv) is not nn.Conv2d or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
         raise ValueError(
@@ -273,18 +402,21 @@ def recomputed_norm_relu_conv(norm: nn.Module, conv: nn.Module, x: torch.Tensor)
             f"zero padding; got {conv!r}"
         )
     norm_params = list(norm.parameters())
-    return _NormReluConvRecomputed.apply(norm, conv, x, conv.weight, conv.bias, *norm_params)
+    output_read = not _NormReluConvCalls.next_is_skipped()
+    return _NormReluConvRecomputed.apply(norm, conv, output_read, x, conv.weight, conv.bias, *norm_params)
 
 
 class _NormReluConvRecomputed(torch.autograd.Function):
     """Fused norm-ReLU-conv whose backward recomputes norm-ReLU and calls the conv backward kernel."""
 
     @staticmethod
-    def forward(ctx, norm, conv, x, weight, bias, *norm_params):
+    def forward(ctx, norm, conv, output_read, x, weight, bias, *norm_params):
         ctx.norm, ctx.conv = norm, conv
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.autocast = _AutocastState.capture(x.device)
         ctx.save_for_backward(x, weight)
+        if not output_read:  # a recomputation that needs this node, not its value (zeros: no NaN)
+            return x.new_zeros(_conv_output_shape(conv, x), dtype=_conv_dtype(x, weight))
         # Forward runs the norm module once: this is the one running-statistics update.
         activation = F.relu(norm(x))
         return F.conv2d(activation, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
@@ -302,8 +434,8 @@ class _NormReluConvRecomputed(torch.autograd.Function):
             activation = normalized.detach().relu_()
         # Under autocast the convolution ran in the output's dtype; its backward does the same.
         dtype = grad_output.dtype
-        need_x = ctx.needs_input_grad[2] or any(ctx.needs_input_grad[5:])
-        need_weight, need_bias = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        need_x = ctx.needs_input_grad[3] or any(ctx.needs_input_grad[6:])
+        need_weight, need_bias = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         # The kernel autograd itself calls for a convolution: gradients are bitwise the plain ones.
         grad_activation, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
             grad_output,
@@ -319,7 +451,7 @@ class _NormReluConvRecomputed(torch.autograd.Function):
             [need_x, need_weight, need_bias],
         )
         norm_inputs = [x, *norm.parameters()]
-        needed = [ctx.needs_input_grad[2], *ctx.needs_input_grad[5:]]
+        needed = [ctx.needs_input_grad[3], *ctx.needs_input_grad[6:]]
         wanted = [t for t, need in zip(norm_inputs, needed, strict=True) if need]
         grads = iter([])
         if wanted:
@@ -332,4 +464,22 @@ class _NormReluConvRecomputed(torch.autograd.Function):
         norm_grads = [next(grads) if need else None for need in needed]
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(conv.bias.dtype)
-        return (None, None, norm_grads[0], grad_weight, grad_bias, *norm_grads[1:])
+        return (None, None, None, norm_grads[0], grad_weight, grad_bias, *norm_grads[1:])
+
+
+def _conv_output_shape(conv: nn.Conv2d, x: torch.Tensor) -> tuple[int, ...]:
+    """The shape ``conv(x)`` returns (numeric padding)."""
+    spatial = [
+        (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+        for size, pad, dilation, kernel, stride in zip(
+            x.shape[-2:], conv.padding, conv.dilation, conv.kernel_size, conv.stride, strict=True
+        )
+    ]
+    return (*x.shape[:-3], conv.out_channels, *spatial)
+
+
+def _conv_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.conv2d(x, weight)`` returns here (the autocast dtype under autocast)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return weight.dtype

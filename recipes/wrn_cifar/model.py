@@ -25,6 +25,7 @@ class PreActBlock(nn.Module):
     """
 
     routes_norm_relu_conv = True
+    residual_branch_ends_with_norm_relu_conv = True  # conv2's output is only added to the shortcut
 
     def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
         super().__init__()
