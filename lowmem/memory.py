@@ -91,6 +91,7 @@ class MemoryReport:
     activation_location: str  # where the activation peak happened
     activation_stored_before_backward: int  # saved when backward starts (checkpoints only, if any)
     activation_held_bytes: int  # the same tensors as autograd here really held them (see table())
+    activation_saved_bytes: int  # the most saved-for-backward bytes alive at once (no gradients)
     peak_source: str = ""  # "cuda allocator" or "cpu tensor tracker"
     seconds: dict[str, float] = field(default_factory=dict)  # time spent per measurement
 
@@ -110,8 +111,9 @@ class MemoryReport:
             f"  optimizer    {mb(self.optimizer_bytes)}",
             f"  activations  {mb(self.activation_bytes)}   at {self.activation_location}",
             *(f"    {name:<11}{mb(value)}" for name, value in self.activation_at_peak.items()),
-            f"    (stored when backward starts: {mb(self.activation_stored_before_backward).strip()}; "
-            f"held by this run's autograd at most: {mb(self.activation_held_bytes).strip()})",
+            f"    (saved for backward at most: {mb(self.activation_saved_bytes).strip()}; stored when backward "
+            f"starts: {mb(self.activation_stored_before_backward).strip()}; held by this run's autograd at most: "
+            f"{mb(self.activation_held_bytes).strip()})",
             f"  total        {mb(self.total_bytes)}",
             f"measured peak ({self.peak_source or 'not measured'})",
             f"  peak         {mb(self.peak_bytes)}   at {self.peak_location or 'n/a'}",
@@ -171,6 +173,7 @@ def profile_step(
         activation_location=f"{activations.peak_phase}: {activations.peak_location}",
         activation_stored_before_backward=activations.stored_before_backward,
         activation_held_bytes=max(trace.held_bytes for trace, _ in traces),
+        activation_saved_bytes=max(trace.max_saved_bytes for trace, _ in traces),
         peak_source="" if peak is None else peak.source,
         seconds={k: round(v, 2) for k, v in seconds.items()},
     )

@@ -87,12 +87,13 @@ def storage_key(tensor: torch.Tensor) -> int:
 
 def held_bytes(tensor: torch.Tensor) -> int:
     """Bytes of the part of the tensor's storage that it spans (the whole tensor for a contiguous
-    one; a microbatch slice of a minibatch counts the microbatch only); bool counts bits."""
+    one; a microbatch slice of a minibatch counts the microbatch only). A bool tensor (a dropout
+    or padding mask) counts its real storage, a byte per element: only ReLU's own saved output is
+    counted at 1 bit (SPEC §4)."""
     if tensor.numel() == 0:
         return 0
     span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
-    nbytes = min(span * tensor.element_size(), tensor.untyped_storage().nbytes())
-    return math.ceil(nbytes / 8) if tensor.dtype == torch.bool else nbytes
+    return min(span * tensor.element_size(), tensor.untyped_storage().nbytes())
 
 
 class _Handle:

@@ -319,6 +319,22 @@ def test_table3_memory_column_from_the_profiler(report_mb, tolerance, overrides)
     assert row["total_bytes"] / 1e6 == pytest.approx(report_mb, rel=tolerance)
 
 
+# Table 4 (DynamicConv, IWSLT'14 shapes): the FP32 baseline and two checkpointed rows.
+DC_MICRO = ("microbatch.size=250", "microbatch.mode=true", "checkpointing.strategy=residual", "checkpointing.every=1")
+TABLE_4 = [
+    (2896, 0.25, ("sparsity.density=1.0", "precision=fp32")),
+    (662, 0.15, ("sparsity.density=1.0", "precision=fp32", *DC_MICRO)),
+    (131, 0.15, ("sparsity.density=0.3", "precision=fp16", *DC_MICRO)),
+]
+
+
+@pytest.mark.parametrize("report_mb,tolerance,overrides", TABLE_4)
+def test_table4_memory_column_from_the_profiler(report_mb, tolerance, overrides):
+    row = profile_config(make_config("+recipe=dc_iwslt", "data=fake", *overrides), measure=False)
+    assert row["params"] == 38_691_840
+    assert row["total_bytes"] / 1e6 == pytest.approx(report_mb, rel=tolerance)
+
+
 # --- honest for other WideResNets: linear in the batch, halved by FP16, and independently checked ---
 
 

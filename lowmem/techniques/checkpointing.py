@@ -415,8 +415,8 @@ class _NormReluConvRecomputed(torch.autograd.Function):
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.autocast = _AutocastState.capture(x.device)
         ctx.save_for_backward(x, weight)
-        if not output_read:  # a recomputation that needs this node, not its value (zeros: no NaN)
-            return x.new_zeros(_conv_output_shape(conv, x), dtype=_conv_dtype(x, weight))
+        if not output_read:  # a recomputation that needs this node, not its value: a broadcast zero
+            return x.new_zeros((), dtype=_conv_dtype(x, weight)).expand(_conv_output_shape(conv, x))
         # Forward runs the norm module once: this is the one running-statistics update.
         activation = F.relu(norm(x))
         return F.conv2d(activation, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
@@ -455,10 +455,10 @@ class _NormReluConvRecomputed(torch.autograd.Function):
         wanted = [t for t, need in zip(norm_inputs, needed, strict=True) if need]
         grads = iter([])
         if wanted:
-            # ReLU's backward in place (the values of threshold_backward: zero where the output is
-            # not positive), so the norm backward reads the same buffer the conv backward wrote.
+            # ReLU's backward (autograd's own kernel) in place, so the norm backward reads the
+            # buffer the conv backward wrote: zero where the ReLU output is not positive.
             grad_normalized = grad_activation.to(normalized.dtype)
-            grad_normalized.masked_fill_(activation <= 0, 0)
+            torch.ops.aten.threshold_backward.grad_input(grad_normalized, activation, 0, grad_input=grad_normalized)
             del grad_activation, activation
             grads = iter(torch.autograd.grad(normalized, wanted, grad_normalized, allow_unused=True))
         norm_grads = [next(grads) if need else None for need in needed]
