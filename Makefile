@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench clean-venv
+.PHONY: demo demo-translation test test-fast lint bench fairseq clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ $(STAMP): $(PY) pyproject.toml
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py
+
+demo-translation: $(STAMP)
+	$(PY) scripts/demo_translation.py
 
 test: $(STAMP)
 	$(PY) -m ruff check lowmem recipes scripts tests
@@ -31,6 +34,15 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) scripts/bench_data.py
 	$(PY) scripts/bench_memory.py
+
+# Optional: fairseq (a Python 3.11 fork, built against the installed torch, ~4 min) for the parity
+# tests in tests/test_fairseq_parity.py, which are skipped without it.
+FAIRSEQ_STAMP := $(VENV)/.fairseq
+fairseq: $(FAIRSEQ_STAMP)
+$(FAIRSEQ_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,fairseq]'
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation fairseq-fixed==0.12.3.1
+	touch $(FAIRSEQ_STAMP)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -78,6 +78,9 @@ class AllocationTracker(TorchDispatchMode):
         self.breakdown: dict[str, int] = {}
         self.location = ""
         self._storages: dict[int, _Storage] = {}
+        # Detached on exit: a finalizer holds this tracker (and through it the model) until its
+        # storage dies, and parameters' storages outlive the step.
+        self._finalizers: list[weakref.finalize] = []
         self._context = contextlib.ExitStack()
         self._modules: list[str] = []
         self._module_names: dict[int, str] = {}
@@ -99,7 +102,7 @@ class AllocationTracker(TorchDispatchMode):
         storage = tensor.untyped_storage()
         self._storages[key] = _Storage(storage.nbytes(), category)
         self.live[category] += storage.nbytes()
-        weakref.finalize(storage, self._remove, key)
+        self._finalizers.append(weakref.finalize(storage, self._remove, key))
         self._update_peak()
 
     def _on_device(self, tensor: torch.Tensor) -> bool:
@@ -203,6 +206,9 @@ class AllocationTracker(TorchDispatchMode):
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         self._context.close()
+        for finalizer in self._finalizers:
+            finalizer.detach()
+        self._finalizers.clear()
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

@@ -22,6 +22,7 @@ bytes); on CUDA they use FP16 as in the report.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -144,8 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sixteen = "fp16" if device.type == "cuda" else "bf16"
-    trainer = build_trainer(compose(*BASE))
-    images, labels = trainer.example_batch()
+    images, labels = build_trainer(compose(*BASE)).example_batch()
     rows: dict[str, dict] = {}
     plain = {"plain PyTorch FP32": False, f"peer: autocast {sixteen.upper()} + GradScaler + torch checkpoint/2": True}
     for name, peer in plain.items():
@@ -155,6 +155,7 @@ def main() -> None:
             print(name, rows[name], flush=True)
     for name, overrides in lowmem_rows(sixteen).items():
         if not args.only or any(s in name for s in args.only):
+            gc.collect()  # the previous rows' trainers must not count in this row's measured peak
             rows[name] = lowmem_row(overrides, args.repeats)
             print(name, rows[name], flush=True)
     table = render(rows, device)
@@ -164,21 +165,27 @@ def main() -> None:
 
 def render(rows: dict[str, dict], device: torch.device) -> str:
     base = rows.get("plain PyTorch FP32") or next(iter(rows.values()))
+    none = rows.get("lowmem FP32 (no technique)")
     mb = lambda b: "—" if b is None else f"{b / 1e6:.1f}"  # noqa: E731
     lines = [
         f"WRN-28-2, batch 100, {device} ({torch.get_num_threads()} threads), torch {torch.__version__}; "
-        "ratios to plain PyTorch FP32",
+        "ratios to plain PyTorch FP32; last column: lowmem's step-time ratio to its own run without "
+        "techniques, over the FLOPs ratio (1.00 = time grows exactly as FLOPs)",
         "",
         "| configuration | stored activations MB (x fewer) | accounted activations MB (x fewer) "
-        "| accounted total MB | measured peak MB (x lower) | GFLOPs (ratio) | step s (ratio) |",
-        "|---|---|---|---|---|---|---|",
+        "| accounted total MB | measured peak MB (x lower) | GFLOPs (ratio) | step s (ratio) | time/FLOPs vs none |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
+        versus_none = "—"
+        if none is not None and name.startswith(("lowmem", "checkpointing", "true", "pure", "sparsity", "T3")):
+            versus_none = f"{(r['seconds'] / none['seconds']) / (r['flops'] / none['flops']):.2f}"
         lines.append(
             f"| {name} | {mb(r['stored'])} ({base['stored'] / r['stored']:.2f}x) | "
             f"{mb(r['accounted'])} ({base['accounted'] / r['accounted']:.2f}x) | {mb(r['total'])} | "
             f"{mb(r['peak'])} ({base['peak'] / r['peak']:.2f}x) | {r['flops'] / 1e9:.1f} "
-            f"({r['flops'] / base['flops']:.2f}) | {r['seconds']:.2f} ({r['seconds'] / base['seconds']:.2f}) |"
+            f"({r['flops'] / base['flops']:.2f}) | {r['seconds']:.2f} ({r['seconds'] / base['seconds']:.2f}) | "
+            f"{versus_none} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -169,6 +169,27 @@ def test_autocast_recomputation_matches(wrn_data):
     assert max_difference(*results) == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strategy", ["no_bn", "residual_star"])
+def test_recomputing_bn_from_kept_statistics_gives_the_same_bits(wrn_data, strategy, dtype):
+    """On CPU, BN's output is recomputed from the forward's batch statistics with the kernel's own
+    rounding and BN's backward kernel is called directly: the gradients are autograd's bits, in
+    FP32 and in 16 bits with FP32 BatchNorm (pure BF16 training)."""
+    inputs, labels = wrn_data[0].to(dtype), wrn_data[1]
+    reference = WideResNet(depth=10, width=1)
+    for module in reference.modules():
+        if not isinstance(module, nn.BatchNorm2d):
+            for param in module.parameters(recurse=False):
+                param.data = param.data.to(dtype)
+    results = []
+    for name in ("none", strategy):
+        model = copy.deepcopy(reference)
+        apply_checkpointing(model, name, 2)
+        F.cross_entropy(model(inputs).float(), labels).backward()
+        results.append([p.grad for p in model.parameters()])
+    assert max_difference(*results) == 0.0
+
+
 def test_composes_with_simulated_microbatching(wrn_data):
     reference = WideResNet(depth=10, width=1).double()
     apply_simulated_microbatching(reference, 3)

@@ -3,9 +3,11 @@
 Strategies (``checkpointing.strategy``, with ``checkpointing.every=m``):
 
 - ``none``: autograd keeps every activation.
-- ``no_bn``: every BN-ReLU-conv triple stores only the BN input; backward recomputes BN and ReLU
-  (cheap, no convolution is recomputed) and feeds the recomputed ReLU output to the convolution's
-  backward. Needs blocks that route their triples through ``lowmem.residual.norm_relu_conv``.
+- ``no_bn``: every BN-ReLU-conv triple stores only the BN input (and, for a plain BatchNorm on
+  CPU, its per-channel batch statistics); backward recomputes BN and ReLU (cheap, no convolution is
+  recomputed: from the kept statistics, one multiply-add) and feeds the recomputed ReLU output to
+  the convolution's backward. Needs blocks that route their triples through
+  ``lowmem.residual.norm_relu_conv``.
 - ``residual``: the blocks run in segments of ``m``; only each segment's input is stored and
   backward recomputes the segment (each block's forward once), then backpropagates it block by
   block, last block first, releasing each block's recomputed tensors as soon as its backward is
@@ -407,31 +409,51 @@ def recomputed_norm_relu_conv(norm: nn.Module, conv: nn.Module, x: torch.Tensor)
 
 
 class _NormReluConvRecomputed(torch.autograd.Function):
-    """Fused norm-ReLU-conv whose backward recomputes norm-ReLU and calls the conv backward kernel."""
+    """Fused norm-ReLU-conv whose backward recomputes norm-ReLU and calls the conv backward kernel.
+
+    For a plain ``nn.BatchNorm2d`` on CPU outside autocast, the forward keeps the batch mean and
+    inverse standard deviation (two floats per channel: the report's "caching small quantities",
+    Bulò et al. 2017): backward then recomputes the normalized output as one multiply-add, with the
+    kernel's own rounding, and calls the BN backward kernel directly, instead of running BN's
+    forward (its statistics passes) again. Gradients are the same bits as autograd's. Any other
+    norm module (simulated-microbatching BN, CUDA's cuDNN BN) is recomputed by calling it again.
+    """
 
     @staticmethod
     def forward(ctx, norm, conv, output_read, x, weight, bias, *norm_params):
         ctx.norm, ctx.conv = norm, conv
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.autocast = _AutocastState.capture(x.device)
-        ctx.save_for_backward(x, weight)
         if not output_read:  # a recomputation that needs this node, not its value: a broadcast zero
+            ctx.save_for_backward(x, weight)
             return x.new_zeros((), dtype=_conv_dtype(x, weight)).expand(_conv_output_shape(conv, x))
-        # Forward runs the norm module once: this is the one running-statistics update.
-        activation = F.relu(norm(x))
+        # Forward runs the norm once: this is the one running-statistics update.
+        if _keeps_batch_statistics(norm, x):
+            normalized, mean, invstd = _batch_norm_with_statistics(norm, x)
+            ctx.save_for_backward(x, weight, mean, invstd)
+        else:
+            normalized = norm(x)
+            ctx.save_for_backward(x, weight)
+        activation = F.relu(normalized)
         return F.conv2d(activation, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved_x, weight = ctx.saved_tensors
-        x, x_alias = _recomputation_input(saved_x)
+        saved_x, weight, *statistics = ctx.saved_tensors
         norm, conv = ctx.norm, ctx.conv
-        with ctx.autocast.restore(), scratch_running_stats([norm]), torch.enable_grad():
-            normalized = norm(x_alias)
-        # The ReLU is applied in place on a detached alias of the norm output: the norm's backward
-        # needs its input, not its output, so one buffer holds both, and no ReLU node is recorded.
-        with torch.no_grad():
-            activation = normalized.detach().relu_()
+        normalized_by = None  # the recomputed norm's graph (generic path)
+        if statistics:
+            with torch.no_grad():
+                activation = _normalized_from_statistics(norm, saved_x, *statistics).relu_()
+        else:
+            x, x_alias = _recomputation_input(saved_x)
+            with ctx.autocast.restore(), scratch_running_stats([norm]), torch.enable_grad():
+                normalized_by = norm(x_alias)
+            # The ReLU is applied in place on a detached alias of the norm output: the norm's
+            # backward needs its input, not its output, so one buffer holds both, and no ReLU node
+            # is recorded.
+            with torch.no_grad():
+                activation = normalized_by.detach().relu_()
         # Under autocast the convolution ran in the output's dtype; its backward does the same.
         dtype = grad_output.dtype
         need_x = ctx.needs_input_grad[3] or any(ctx.needs_input_grad[6:])
@@ -450,21 +472,67 @@ class _NormReluConvRecomputed(torch.autograd.Function):
             conv.groups,
             [need_x, need_weight, need_bias],
         )
-        norm_inputs = [x, *norm.parameters()]
-        needed = [ctx.needs_input_grad[3], *ctx.needs_input_grad[6:]]
-        wanted = [t for t, need in zip(norm_inputs, needed, strict=True) if need]
-        grads = iter([])
-        if wanted:
+        needed = [ctx.needs_input_grad[3], *ctx.needs_input_grad[6:]]  # x, then the norm's parameters
+        norm_grads: list[torch.Tensor | None] = [None] * len(needed)
+        if any(needed):
             # ReLU's backward (autograd's own kernel) in place, so the norm backward reads the
             # buffer the conv backward wrote: zero where the ReLU output is not positive.
-            grad_normalized = grad_activation.to(normalized.dtype)
+            grad_normalized = grad_activation.to(activation.dtype)
             torch.ops.aten.threshold_backward.grad_input(grad_normalized, activation, 0, grad_input=grad_normalized)
             del grad_activation, activation
-            grads = iter(torch.autograd.grad(normalized, wanted, grad_normalized, allow_unused=True))
-        norm_grads = [next(grads) if need else None for need in needed]
+            if statistics:
+                # BN's backward kernel with the forward's statistics: what autograd would call.
+                norm_grads = list(
+                    torch.ops.aten.native_batch_norm_backward(
+                        grad_normalized, saved_x, norm.weight, None, None, *statistics, True, norm.eps, needed
+                    )
+                )
+            else:
+                norm_inputs = [x, *norm.parameters()]
+                wanted = [t for t, need in zip(norm_inputs, needed, strict=True) if need]
+                grads = iter(torch.autograd.grad(normalized_by, wanted, grad_normalized, allow_unused=True))
+                norm_grads = [next(grads) if need else None for need in needed]
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(conv.bias.dtype)
         return (None, None, None, norm_grads[0], grad_weight, grad_bias, *norm_grads[1:])
+
+
+def _keeps_batch_statistics(norm: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``norm`` is a plain affine ``nn.BatchNorm2d`` normalizing ``x`` (CPU, no autocast)
+    by its batch statistics, whose BN kernel the fast path reproduces exactly."""
+    return (
+        type(norm) is nn.BatchNorm2d
+        and norm.training
+        and norm.affine
+        and x.device.type == "cpu"
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def _batch_norm_with_statistics(norm: nn.BatchNorm2d, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``norm(x)`` in training mode (the same kernel, the same running-statistics update), also
+    returning the batch mean and inverse standard deviation the kernel computed."""
+    factor = 0.0 if norm.momentum is None else norm.momentum
+    if norm.track_running_stats and norm.num_batches_tracked is not None:
+        norm.num_batches_tracked.add_(1)
+        if norm.momentum is None:  # cumulative moving average
+            factor = 1.0 / float(norm.num_batches_tracked)
+    running_mean, running_var = (norm.running_mean, norm.running_var) if norm.track_running_stats else (None, None)
+    return torch.ops.aten.native_batch_norm(
+        x, norm.weight, norm.bias, running_mean, running_var, True, factor, norm.eps
+    )
+
+
+def _normalized_from_statistics(
+    norm: nn.BatchNorm2d, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
+) -> torch.Tensor:
+    """BN's training-mode output from the kept statistics: ``x * a + b`` per channel with
+    a = invstd * weight and b = bias - mean * a, each multiply-add rounded once as the CPU kernel
+    rounds it (bitwise the kernel's output)."""
+    scale = invstd * norm.weight
+    shift = torch.addcmul(norm.bias, mean, scale, value=-1)
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    return torch.addcmul(shift.view(shape), x, scale.view(shape)).to(x.dtype)
 
 
 def _conv_output_shape(conv: nn.Conv2d, x: torch.Tensor) -> tuple[int, ...]:
