@@ -20,6 +20,7 @@ added only when ``has_conv_bias`` is set (the stock model never sets it). ``_to_
 from __future__ import annotations
 
 import argparse
+import copy
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,18 +29,25 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hydra.core.config_store import ConfigStore
 
 from recipes.dc_iwslt.corpus import SPLITS, load_translation_data
 from recipes.dc_iwslt.data import EOS, PAD, TokenSequences, read_fairseq_indexed
 from recipes.dc_iwslt.data import Dictionary as OurDictionary
 from recipes.dc_iwslt.model import Architecture, DynamicConvModel
 
-fairseq = pytest.importorskip("fairseq")
+# Importing fairseq stores its own "config" (and more) in Hydra's process-wide ConfigStore, which
+# would break every later lowmem compose in this test process: keep Hydra's store as it was.
+_hydra_store = copy.deepcopy(ConfigStore.instance().repo)
+try:
+    fairseq = pytest.importorskip("fairseq")
 
-from fairseq import utils as fairseq_utils  # noqa: E402
-from fairseq.data import Dictionary as FairseqDictionary  # noqa: E402
-from fairseq.data.indexed_dataset import MMapIndexedDataset, make_builder  # noqa: E402
-from fairseq.models.lightconv import LightConvModel, lightconv_iwslt_de_en  # noqa: E402
+    from fairseq import utils as fairseq_utils
+    from fairseq.data import Dictionary as FairseqDictionary
+    from fairseq.data.indexed_dataset import MMapIndexedDataset, make_builder
+    from fairseq.models.lightconv import LightConvModel, lightconv_iwslt_de_en
+finally:
+    ConfigStore.instance().repo = _hydra_store
 
 SMALL = dict(
     encoder_layers=3,
