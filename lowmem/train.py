@@ -17,7 +17,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from lowmem import distributed
+from lowmem import distributed, hydra_records
 from lowmem.config import ConfigError, register_configs
 from lowmem.run_files import CHECKPOINT, RESULT
 
@@ -62,12 +62,17 @@ def previous_run(cfg: DictConfig, run_dir: Path) -> str | None:
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     from lowmem.trainer import build_trainer, resolve_device, resume_from
 
-    state = (
-        previous_run(cfg, run_dir)
-        if distributed.is_rank0() or not distributed.launched_by_torchrun()
-        else None
-    )
+    try:
+        state = (
+            previous_run(cfg, run_dir)
+            if distributed.is_rank0() or not distributed.launched_by_torchrun()
+            else None
+        )
+    except ConfigError:
+        hydra_records.restore(run_dir)  # the refused job's .hydra files must not replace the run's
+        raise
     if state == "finished":
+        hydra_records.restore(run_dir)
         log.info("%s already holds the finished result of this configuration: skipped", run_dir)
         return json.loads((run_dir / RESULT).read_text())
     distributed.init_from_environment(resolve_device(cfg.trainer.device))

@@ -129,6 +129,24 @@ def test_rerunning_a_finished_run_skips_it_and_another_config_is_refused(tmp_pat
     assert (tmp_path / "run" / "model.pt").read_bytes() == before
 
 
+def test_a_refused_or_skipped_rerun_leaves_the_runs_hydra_record_as_it_was(tmp_path):
+    """Hydra writes .hydra/*.yaml before lowmem sees the job: the callback puts them back."""
+
+    def cli(*overrides: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "lowmem.train", *TINY_WRN, *overrides, f"hydra.run.dir={tmp_path}"]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+    assert cli("trainer.max_steps=1").returncode == 0
+    record = {p.name: p.read_bytes() for p in (tmp_path / ".hydra").glob("*.yaml")}
+    assert set(record) == {"config.yaml", "hydra.yaml", "overrides.yaml"}
+    refused = cli("trainer.max_steps=2")
+    assert refused.returncode != 0 and "different configuration" in refused.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / ".hydra").glob("*.yaml")} == record
+    skipped = cli("trainer.max_steps=1", "trainer.progress=none")  # the same run, asked again
+    assert skipped.returncode == 0 and "skipped" in skipped.stderr + skipped.stdout
+    assert {p.name: p.read_bytes() for p in (tmp_path / ".hydra").glob("*.yaml")} == record
+
+
 def test_an_interrupted_run_is_continued_when_rerun(tmp_path):
     train(tmp_path / "full", "trainer.epochs=2")
     train(tmp_path / "run", "trainer.epochs=2")
