@@ -192,14 +192,15 @@ class Trainer:
         metrics = MetricsLog(run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), enabled=rank0)
         progress = Progress(cfg.trainer.progress, cfg.trainer.log_every, enabled=rank0)
         max_steps = cfg.trainer.max_steps
-        peak = PeakTracker(self.device)
+        recorded = [r["peak_bytes"] for r in state.history if r.get("peak_bytes") is not None]
+        peak = PeakTracker(self.device, previous=max(recorded, default=None))
         train = self.data.train
         try:
             while state.epoch < cfg.trainer.epochs and not _done(state, max_steps):
                 progress.start_epoch(state.epoch, len(train), state.batch_in_epoch)
                 started = time.perf_counter()
                 for batch in train.epoch(state.epoch, state.batch_in_epoch):
-                    with fast_cpu_half_kernels(self.policy, self.device), peak.track(state.step):
+                    with fast_cpu_half_kernels(self.policy, self.device), peak.track():
                         record = self.train_step(batch)
                     state.step += 1
                     state.batch_in_epoch += 1
@@ -328,26 +329,33 @@ def _done(state: TrainState, max_steps: int | None) -> bool:
 
 class PeakTracker:
     """Measured allocator peak of training steps (bytes). CUDA: the allocator's own counter over
-    every step; CPU: the first step is measured with lowmem.memory's tracker (it slows the step)."""
+    every step; CPU: the first step this process runs is measured with lowmem.memory's tracker (it
+    slows the step). ``previous``: the peak a resumed run had measured before this process; the
+    run's peak is the larger of the two."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.peak_bytes: int | None = None
+    def __init__(self, device: torch.device, previous: int | None = None) -> None:
+        self.device, self.previous = device, previous
+        self.measured: int | None = None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
+    @property
+    def peak_bytes(self) -> int | None:
+        known = [value for value in (self.previous, self.measured) if value is not None]
+        return max(known) if known else None
+
     @contextmanager
-    def track(self, step: int) -> Iterator[None]:
-        """Measure training step number ``step`` (0-based): on CUDA every step, on CPU the first only."""
+    def track(self) -> Iterator[None]:
+        """Measure one training step: on CUDA every step, on CPU the first of this process."""
         if self.device.type == "cuda":
             yield
-            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
-        elif step > 0:
+            self.measured = int(torch.cuda.max_memory_allocated(self.device))
+        elif self.measured is not None:
             yield
         else:
             with track_peak(device=self.device) as tracker:
                 yield
-            self.peak_bytes = tracker.peak_bytes
+            self.measured = tracker.peak_bytes
 
 
 def _build_optimizer(optim_cfg, params: list[nn.Parameter], lr: float, policy: PrecisionPolicy):

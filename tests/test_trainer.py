@@ -72,6 +72,9 @@ def test_resume_ends_bit_identical_to_an_uninterrupted_run(tmp_path):
     assert (a["steps"], a["final_test_acc"]) == (b["steps"], b["final_test_acc"])
     history = (tmp_path / "resumed" / "metrics.jsonl").read_text()
     assert history.startswith((tmp_path / "part" / "metrics.jsonl").read_text())
+    # The resumed process measures its own first step; the run keeps the larger measured peak.
+    part = json.loads((tmp_path / "part" / "result.json").read_text())
+    assert b["peak_bytes"] is not None and b["peak_bytes"] >= part["peak_bytes"] > 0
 
 
 def test_resume_pointing_at_nothing_names_the_knob(tmp_path):
