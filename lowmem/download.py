@@ -38,3 +38,12 @@ def fetch(url: str, destination: Path, timeout_s: float) -> str:
             digest.update(chunk)
             file.write(chunk)
     return digest.hexdigest()
+
+
+def file_md5(path: Path) -> str:
+    """MD5 of a file on disk, read in 1 MiB chunks (to check an archive already downloaded)."""
+    digest = hashlib.md5()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

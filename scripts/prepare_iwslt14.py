@@ -24,7 +24,6 @@ download fails within ``--timeout`` seconds with a message saying what to do ins
 from __future__ import annotations
 
 import argparse
-import hashlib
 import heapq
 import http.client
 import json
@@ -45,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from lowmem.download import fetch  # noqa: E402
+from lowmem.download import fetch, file_md5  # noqa: E402
 from recipes.dc_iwslt.data import Dictionary, write_token_file  # noqa: E402
 
 log = logging.getLogger("prepare_iwslt14")
@@ -360,7 +359,7 @@ def prepare_iwslt14(
             origin = download_archive(urls, archive, md5, timeout_s)
         else:
             origin = str(archive)
-            actual = _md5(archive)
+            actual = file_md5(archive)
             if md5 and actual != md5:
                 raise PreparationError(
                     f"{archive} has MD5 {actual}, expected {md5} (pass --md5 '' to accept it)"
@@ -377,7 +376,7 @@ def prepare_iwslt14(
         result.mkdir()
         summary = {
             "archive": origin,
-            "md5": _md5(archive),
+            "md5": file_md5(archive),
             **write_prepared(preprocess(folder, tokenizers), result, merges),
         }
         summary["seconds"] = round(time.time() - started, 1)
@@ -400,14 +399,6 @@ def _required_files() -> list[str]:
     return [f"train.tags.de-en.{lang}" for lang in (SRC, TGT)] + [
         f"{name}.de-en.{lang}.xml" for name in TEST_SETS for lang in (SRC, TGT)
     ]
-
-
-def _md5(path: Path) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,6 @@ per-channel normalisation): no per-image Python work and no DataLoader workers.
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import inspect
 import logging
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchvision.datasets import CIFAR10
 
-from lowmem.download import fetch
+from lowmem.download import fetch, file_md5
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +128,7 @@ def _verify_cifar10(folder: Path) -> None:
         path = folder / name
         if not path.is_file():
             raise DataUnavailableError(f"CIFAR-10 folder {folder} is incomplete: {name} is missing. {fix}")
-        actual = _md5(path)
+        actual = file_md5(path)
         if actual != md5:
             raise DataUnavailableError(
                 f"CIFAR-10 file {path} is corrupt (MD5 {actual}, expected {md5}). {fix}"
@@ -183,14 +182,6 @@ def _cifar10_alternatives(root: Path) -> str:
         "without it: data=digits (real handwritten digits embedded in scikit-learn) or data=fake "
         "(generated images)."
     )
-
-
-def _md5(path: Path) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------- digits
