@@ -34,6 +34,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) scripts/bench_data.py
 	$(PY) scripts/bench_memory.py
+	$(PY) scripts/table4_memory.py
 
 # Optional: fairseq (a Python 3.11 fork, built against the installed torch, ~4 min) for the parity
 # tests in tests/test_fairseq_parity.py, which are skipped without it.

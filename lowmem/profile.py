@@ -52,6 +52,12 @@ def profile_trainer(trainer, measure: bool = True) -> MemoryReport:
     return profile_step(trainer.unwrapped_model, trainer.optimizer, microbatches, step, masks=masks)
 
 
+def batch_shapes(batch: Any) -> dict[str, list[int]]:
+    """The shapes of the profiled minibatch's tensors, by key (dict batches) or position (sequences)."""
+    items = batch.items() if isinstance(batch, dict) else ((f"batch[{i}]", v) for i, v in enumerate(batch))
+    return {key: list(value.shape) for key, value in items if isinstance(value, torch.Tensor) and value.dim()}
+
+
 def _shapes(batch: Any) -> tuple:
     return tuple((tuple(t.shape), t.dtype) for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
 
@@ -76,9 +82,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     distributed.init_from_environment(resolve_device(cfg.trainer.device))
     trainer = build_trainer(cfg)
     report = profile_trainer(trainer, measure=cfg.profile.measure_peak)
+    shapes = batch_shapes(trainer.example_batch())
     print(report.table())
+    data = ", ".join(f"{key} {' x '.join(map(str, shape))}" for key, shape in shapes.items() if len(shape) > 1)
+    print(f"minibatch profiled (the first of epoch 0): {data}")
     return {
         **report.to_json(),
+        "batch_shapes": shapes,
         "device": str(trainer.device),
         "torch": torch.__version__,
         "rank": distributed.rank(),

@@ -33,6 +33,10 @@ before the sequence start reading zeros. fairseq does this in its band-matrix pa
 step by step, but its unfolded training path normalises over only T taps when T < K; here training
 and incremental decoding agree (tested).
 
+LayerNorm, softmax and dropout (and the loss's log-softmax) go through the model's ``ops``
+(``model.ops``, ``recipes/dc_iwslt/ops.py``): today's PyTorch operators by default, or PyTorch 1.0.1's,
+which compute the same function but hold more for backward, to reproduce the report's accounting.
+
 Tokens and logits are batch-first ([B, T], [B, T, V]); activations inside are time-major [T, B, d],
 fairseq's layout, because there the heads of a batch (B·H) are adjacent and the convolution's
 batched matrix product reads its input in place instead of saving a copy for backward. The encoder
@@ -51,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowmem.residual import run_residual_blocks
+from recipes.dc_iwslt.ops import OPS_NAMES, LayerNorm, Ops, ops_named
 
 # fairseq's kernel-size schedule: layer i uses _KERNEL_SCHEDULE[min(i, 3)] (3, 7, 15, 31, 31, ...).
 _KERNEL_SCHEDULE = (3, 7, 15, 31)
@@ -79,6 +84,7 @@ class Architecture:
     input_dropout: float = 0.0
     weight_softmax: bool = True
     conv_bias: bool = True
+    ops: str = "current"  # recipes/dc_iwslt/ops.py: today's PyTorch operators, or PyTorch 1.0.1's
 
     def __post_init__(self) -> None:
         for knob in ("encoder_layers", "decoder_layers", "embed_dim", "ffn_dim", "heads"):
@@ -89,6 +95,8 @@ class Architecture:
         for knob in ("dropout", "weight_dropout", "attention_dropout", "relu_dropout", "input_dropout"):
             if not 0.0 <= getattr(self, knob) < 1.0:
                 raise ValueError(f"model.{knob}={getattr(self, knob)}: must be in [0, 1)")
+        if self.ops not in OPS_NAMES:
+            raise ValueError(f"model.ops={self.ops!r}: must be one of {', '.join(OPS_NAMES)}")
         for side in ("encoder", "decoder"):
             # Hydra hands lists over as ListConfig; store plain tuples of ints.
             sizes = _kernel_sizes(
@@ -127,11 +135,11 @@ def _embedding(num_embeddings: int, dim: int, padding_idx: int) -> nn.Embedding:
     return embedding
 
 
-def _softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+def _softmax(x: torch.Tensor, dim: int, ops: Ops) -> torch.Tensor:
     """Softmax computed in at least FP32 (pure-FP16 training), returned in the input's dtype."""
     if x.dtype in (torch.float16, torch.bfloat16):
-        return torch.softmax(x.float(), dim).to(x.dtype)
-    return torch.softmax(x, dim)
+        return ops.softmax(x.float(), dim).to(x.dtype)
+    return ops.softmax(x, dim)
 
 
 def sinusoidal_positions(positions: torch.Tensor, dim: int, padding_idx: int) -> torch.Tensor:
@@ -184,6 +192,7 @@ class DynamicConv(nn.Module):
         weight_softmax: bool = True,
         weight_dropout: float = 0.0,
         conv_bias: bool = True,
+        ops: Ops | None = None,
     ) -> None:
         super().__init__()
         if channels % num_heads != 0 or not 0 <= padding_l < kernel_size:
@@ -194,6 +203,7 @@ class DynamicConv(nn.Module):
         self.channels, self.kernel_size, self.num_heads = channels, kernel_size, num_heads
         self.padding_l = padding_l
         self.weight_softmax, self.weight_dropout = weight_softmax, weight_dropout
+        self.ops = ops or Ops()
         self.weight_linear = _linear(channels, num_heads * kernel_size, bias=False)
         self.conv_bias = nn.Parameter(torch.zeros(channels)) if conv_bias else None
 
@@ -201,8 +211,8 @@ class DynamicConv(nn.Module):
         """Input [T, B, C] -> normalised, dropped-out kernels [T, B, H, K]."""
         weights = self.weight_linear(x).unflatten(-1, (self.num_heads, self.kernel_size))
         if self.weight_softmax:
-            weights = _softmax(weights, dim=-1)
-        return F.dropout(weights, self.weight_dropout, self.training)
+            weights = _softmax(weights, -1, self.ops)
+        return self.ops.dropout(weights, self.weight_dropout, self.training)
 
     def _add_bias(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.conv_bias is None else out + self.conv_bias
@@ -243,9 +253,10 @@ class EncoderDecoderAttention(nn.Module):
     """fairseq's ``MultiheadAttention(encoder_decoder_attention=True)``: queries from the decoder,
     keys and values from the encoder output, padded source positions masked out."""
 
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float) -> None:
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float, ops: Ops | None = None) -> None:
         super().__init__()
         self.num_heads, self.dropout = num_heads, dropout
+        self.ops = ops or Ops()
         self.scaling = (embed_dim // num_heads) ** -0.5
         # fairseq scales the input projections' init by 1/sqrt(2) (they used to be one fused matrix).
         self.q_proj = _linear(embed_dim, embed_dim, gain=2**-0.5)
@@ -266,7 +277,7 @@ class EncoderDecoderAttention(nn.Module):
         """query [T, B, d], keys/values [B, H, S, d/H], key_padding_mask [B, S] (True = pad) -> [T, B, d]."""
         q = self._split_heads(self.q_proj(query) * self.scaling)
         scores = (q @ keys.transpose(-1, -2)).masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
-        probs = F.dropout(_softmax(scores, dim=-1), self.dropout, self.training)
+        probs = self.ops.dropout(_softmax(scores, -1, self.ops), self.dropout, self.training)
         return self.out_proj((probs @ values).permute(2, 0, 1, 3).flatten(2))
 
 
@@ -278,23 +289,24 @@ class _ConvLayer(nn.Module):
         super().__init__()
         d = arch.embed_dim
         self.arch = arch
+        self.ops = ops_named(arch.ops)
         self.linear1 = _linear(d, d)
         self.conv = DynamicConv(
-            d, kernel_size, arch.heads, padding_l, arch.weight_softmax, arch.weight_dropout, arch.conv_bias
+            d, kernel_size, arch.heads, padding_l, arch.weight_softmax, arch.weight_dropout, arch.conv_bias, self.ops
         )
         self.linear2 = _linear(d, d)
         self.fc1 = _linear(d, arch.ffn_dim)
         self.fc2 = _linear(arch.ffn_dim, d)
 
     def conv_input(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear1(F.dropout(x, self.arch.input_dropout, self.training))
+        return self.linear1(self.ops.dropout(x, self.arch.input_dropout, self.training))
 
     def conv_output(self, h: torch.Tensor) -> torch.Tensor:
-        return F.dropout(self.linear2(h), self.arch.dropout, self.training)
+        return self.ops.dropout(self.linear2(h), self.arch.dropout, self.training)
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.dropout(F.relu(self.fc1(x)), self.arch.relu_dropout, self.training)
-        return F.dropout(self.fc2(h), self.arch.dropout, self.training)
+        h = self.ops.dropout(F.relu(self.fc1(x)), self.arch.relu_dropout, self.training)
+        return self.ops.dropout(self.fc2(h), self.arch.dropout, self.training)
 
 
 class EncoderLayer(_ConvLayer):
@@ -302,7 +314,7 @@ class EncoderLayer(_ConvLayer):
 
     def __init__(self, arch: Architecture, kernel_size: int) -> None:
         super().__init__(arch, kernel_size, padding_l=(kernel_size - 1) // 2)
-        self.layer_norms = nn.ModuleList([nn.LayerNorm(arch.embed_dim) for _ in range(2)])
+        self.layer_norms = nn.ModuleList([LayerNorm(arch.embed_dim, self.ops) for _ in range(2)])
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
         """x [S, B, d], padding_mask [B, S] (True = pad) -> [S, B, d]."""
@@ -328,10 +340,10 @@ class DecoderLayer(_ConvLayer):
     def __init__(self, arch: Architecture, kernel_size: int) -> None:
         super().__init__(arch, kernel_size, padding_l=kernel_size - 1)
         d = arch.embed_dim
-        self.conv_layer_norm = nn.LayerNorm(d)
-        self.encoder_attn = EncoderDecoderAttention(d, arch.heads, arch.attention_dropout)
-        self.encoder_attn_layer_norm = nn.LayerNorm(d)
-        self.final_layer_norm = nn.LayerNorm(d)
+        self.conv_layer_norm = LayerNorm(d, self.ops)
+        self.encoder_attn = EncoderDecoderAttention(d, arch.heads, arch.attention_dropout, self.ops)
+        self.encoder_attn_layer_norm = LayerNorm(d, self.ops)
+        self.final_layer_norm = LayerNorm(d, self.ops)
 
     def forward(
         self,
@@ -352,7 +364,7 @@ class DecoderLayer(_ConvLayer):
             keys, values = cache.keys, cache.values
         x = self.conv_layer_norm(x + self.conv_output(h))
         attended = self.encoder_attn(x, keys, values, encoder_padding_mask)
-        x = self.encoder_attn_layer_norm(x + F.dropout(attended, self.arch.dropout, self.training))
+        x = self.encoder_attn_layer_norm(x + self.ops.dropout(attended, self.arch.dropout, self.training))
         return self.final_layer_norm(x + self.feed_forward(x))
 
 
@@ -384,6 +396,7 @@ class _Embedder(nn.Module):
     def __init__(self, vocab: int, arch: Architecture, padding_idx: int) -> None:
         super().__init__()
         self.arch, self.padding_idx = arch, padding_idx
+        self.ops = ops_named(arch.ops)
         self.embed_tokens = _embedding(vocab, arch.embed_dim, padding_idx)
         self.embed_scale = math.sqrt(arch.embed_dim)
 
@@ -392,7 +405,7 @@ class _Embedder(nn.Module):
         tokens, positions = tokens.t(), positions.t()
         x = self.embed_scale * self.embed_tokens(tokens)
         x = x + sinusoidal_positions(positions, self.arch.embed_dim, self.padding_idx).to(x.dtype)
-        return F.dropout(x, self.arch.dropout, self.training)
+        return self.ops.dropout(x, self.arch.dropout, self.training)
 
     def positions(self, tokens: torch.Tensor) -> torch.Tensor:
         """fairseq's positions: real tokens count padding_idx+1, +2, ...; padding gets padding_idx.
@@ -471,6 +484,7 @@ class DynamicConvModel(nn.Module):
     def __init__(self, src_vocab: int, tgt_vocab: int, padding_idx: int = 1, **arch: Any) -> None:
         super().__init__()
         self.arch = Architecture(**arch)
+        self.ops = ops_named(self.arch.ops)  # the loss's log-softmax is the model's too
         self.padding_idx = padding_idx
         self.encoder = Encoder(src_vocab, self.arch, padding_idx)
         self.decoder = Decoder(tgt_vocab, self.arch, padding_idx)

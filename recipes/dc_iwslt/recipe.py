@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lowmem.config import ConfigError
@@ -29,6 +28,7 @@ from recipes.dc_iwslt.checkpoint_average import average_state_dicts
 from recipes.dc_iwslt.corpus import TranslationData, load_translation_data
 from recipes.dc_iwslt.data import PAD, TokenBatches, split_batch_by_tokens
 from recipes.dc_iwslt.model import Architecture, DynamicConvModel
+from recipes.dc_iwslt.ops import Ops
 from recipes.dc_iwslt.search import beam_search
 from recipes.wrn_cifar.recipe import nearest_table_row
 
@@ -73,13 +73,16 @@ def architecture(cfg) -> Architecture:
 
 
 def label_smoothed_loss(
-    logits: torch.Tensor, target: torch.Tensor, epsilon: float
+    logits: torch.Tensor, target: torch.Tensor, epsilon: float, ops: Ops | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fairseq's label-smoothed cross entropy, summed over non-pad target tokens (FP32).
+    """fairseq's label-smoothed cross entropy, summed over non-pad target tokens, in at least FP32
+    (FP16/BF16 logits are widened, FP64 ones kept: the equivalence tests' reference precision).
 
-    Returns (smoothed loss sum, NLL sum); logits [B, T, V], target [B, T].
+    Returns (smoothed loss sum, NLL sum); logits [B, T, V], target [B, T]; ``ops``: the model's
+    (its log-softmax is the loss's).
     """
-    lprobs = F.log_softmax(logits.float(), dim=-1)
+    wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    lprobs = (ops or Ops()).log_softmax(wide, -1)
     # Masked sums, not boolean indexing: shapes stay static (the profiler traces on fake tensors).
     padding = target.eq(PAD)
     nll = (-lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)).masked_fill(padding, 0.0)
@@ -154,7 +157,7 @@ class DynamicConvIwsltRecipe:
 
     def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         logits = model(batch["src_tokens"], batch["src_lengths"], batch["prev_output_tokens"])
-        loss, _ = label_smoothed_loss(logits, batch["target"], LABEL_SMOOTHING)
+        loss, _ = label_smoothed_loss(logits, batch["target"], LABEL_SMOOTHING, _ops_of(model))
         return loss / batch["ntokens"]
 
     @torch.no_grad()
@@ -162,7 +165,7 @@ class DynamicConvIwsltRecipe:
         loss_sum, nll_sum, tokens = 0.0, 0.0, 0
         for batch in test["valid"].epoch(0):
             logits = model(batch["src_tokens"], batch["src_lengths"], batch["prev_output_tokens"])
-            loss, nll = label_smoothed_loss(logits, batch["target"], LABEL_SMOOTHING)
+            loss, nll = label_smoothed_loss(logits, batch["target"], LABEL_SMOOTHING, _ops_of(model))
             loss_sum, nll_sum, tokens = (
                 loss_sum + float(loss),
                 nll_sum + float(nll),
@@ -196,6 +199,11 @@ def translate_and_score(
             hypotheses.append(corpus.tgt_dict.decode(tokens))
             references.append(corpus.tgt_dict.decode(target[: int(length) - 1].tolist()))
     return corpus_bleu(hypotheses, references, lang=corpus.tgt_lang)
+
+
+def _ops_of(model: nn.Module) -> Ops:
+    """The operators of a DynamicConvModel, possibly DistributedDataParallel-wrapped."""
+    return getattr(model, "module", model).ops
 
 
 def _rows(batch: dict, start: int, stop: int) -> dict:
