@@ -85,7 +85,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     shapes = batch_shapes(trainer.example_batch())
     print(report.table())
     data = ", ".join(f"{key} {' x '.join(map(str, shape))}" for key, shape in shapes.items() if len(shape) > 1)
-    print(f"minibatch profiled (the first of epoch 0): {data}")
+    share = f"; this rank profiles its share of {distributed.world_size()}" if distributed.world_size() > 1 else ""
+    print(f"minibatch profiled (the first of epoch 0): {data}{share}")
     return {
         **report.to_json(),
         "batch_shapes": shapes,

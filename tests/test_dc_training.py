@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lowmem.config import ConfigError
 from lowmem.trainer import build_trainer
 from tests.helpers import make_config
 
@@ -78,3 +79,11 @@ def test_table4_combination_microbatches_and_checkpointing_equals_the_plain_full
     )
     assert parts > 2
     assert max_difference(full, combined) <= 1e-12
+
+
+def test_a_microbatch_smaller_than_the_longest_sentence_is_refused_naming_the_pair():
+    with pytest.raises(ConfigError) as error:
+        build_trainer(make_config(*SMALL_DC, "microbatch.size=100"))
+    message = str(error.value)
+    assert message.startswith("microbatch.size=100 tokens is smaller than training pair ")
+    assert "set microbatch.size to at least 126" in message  # the generated corpus's longest pair

@@ -132,10 +132,14 @@ class DynamicConvIwsltRecipe:
             )
         except ValueError as error:
             raise ConfigError(str(error)) from error
-        if cfg.microbatch.size is not None and cfg.microbatch.size < train.longest_pair:
+        size = cfg.microbatch.size
+        if size is not None and size < train.longest_pair:
+            sizes = corpus.train.pair_sizes
+            longest, over = int(sizes.argmax()), int((sizes > size).sum())
             raise ConfigError(
-                f"microbatch.size={cfg.microbatch.size} tokens is smaller than the longest sentence pair "
-                f"({train.longest_pair} tokens): the longest sentence must fit in one microbatch"
+                f"microbatch.size={size} tokens is smaller than training pair {longest} ({int(sizes[longest])} "
+                f"tokens, source or target; {over:,} pairs are longer than {size}): the longest sentence must fit "
+                f"in one microbatch, set microbatch.size to at least {int(sizes[longest])}"
             )
         description = (
             f"{corpus.description}; {len(train)} minibatches of ≤{cfg.data.batch_size} tokens per epoch"
