@@ -34,10 +34,11 @@ from lowmem.run_files import save_json
 register_configs()
 
 
-def profile_trainer(trainer, measure: bool = True) -> MemoryReport:
-    """Profile one minibatch of ``trainer`` (a ``lowmem.trainer.Trainer``); ``measure=False``
-    skips the real step (no measured peak: the accounting and FLOPs only)."""
-    batch = trainer.example_batch()
+def profile_trainer(trainer, measure: bool = True, batch: Any = None) -> MemoryReport:
+    """Profile one minibatch of ``trainer`` (a ``lowmem.trainer.Trainer``): ``batch``, by default its
+    first (``example_batch``); ``measure=False`` skips the real step (no measured peak: the
+    accounting and FLOPs only)."""
+    batch = trainer.example_batch() if batch is None else batch
     trainer.model.train()
     # Microbatches of equal shapes have equal activations and FLOPs: account one of each shape.
     distinct: dict[tuple, list] = {}
@@ -54,6 +55,8 @@ def profile_trainer(trainer, measure: bool = True) -> MemoryReport:
 
 def batch_shapes(batch: Any) -> dict[str, list[int]]:
     """The shapes of the profiled minibatch's tensors, by key (dict batches) or position (sequences)."""
+    if isinstance(batch, torch.Tensor):
+        batch = {"batch": batch}
     items = batch.items() if isinstance(batch, dict) else ((f"batch[{i}]", v) for i, v in enumerate(batch))
     return {key: list(value.shape) for key, value in items if isinstance(value, torch.Tensor) and value.dim()}
 
@@ -81,8 +84,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     distributed.init_from_environment(resolve_device(cfg.trainer.device))
     trainer = build_trainer(cfg)
-    report = profile_trainer(trainer, measure=cfg.profile.measure_peak)
-    shapes = batch_shapes(trainer.example_batch())
+    batch = trainer.example_batch()
+    report = profile_trainer(trainer, measure=cfg.profile.measure_peak, batch=batch)
+    shapes = batch_shapes(batch)  # the global minibatch (each rank profiles its share)
     print(report.table())
     data = ", ".join(f"{key} {' x '.join(map(str, shape))}" for key, shape in shapes.items() if len(shape) > 1)
     share = f"; this rank profiles its share of {distributed.world_size()}" if distributed.world_size() > 1 else ""

@@ -7,6 +7,7 @@ from torch import nn
 
 from lowmem.config import ConfigError
 from lowmem.memory import account_activations
+from lowmem.trainer import build_trainer
 from recipes.dc_iwslt.model import DynamicConvModel
 from recipes.dc_iwslt.ops import LayerNorm, Ops, Pytorch10Ops, ops_named
 from recipes.dc_iwslt.recipe import architecture, label_smoothed_loss
@@ -88,6 +89,9 @@ def test_pytorch_1_0_ops_save_what_pytorch_1_0_saved():
 SMALL = dict(encoder_layers=2, decoder_layers=2, embed_dim=32, ffn_dim=64, heads=4,
              encoder_kernel_sizes=(3, 7), decoder_kernel_sizes=(3, 7))
 NO_DROPOUT = dict(dropout=0.0, weight_dropout=0.0, attention_dropout=0.0)
+TINY_DC = ("+recipe=dc_iwslt", "data=fake", "data.train_size=60", "data.test_size=4", "data.batch_size=300",
+           "model.encoder_layers=2", "model.decoder_layers=2", "model.embed_dim=16", "model.ffn_dim=32",
+           "model.heads=4", "trainer.progress=none")
 
 
 def test_the_model_and_loss_agree_between_ops_without_dropout():
@@ -108,14 +112,24 @@ def test_the_model_and_loss_agree_between_ops_without_dropout():
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
-def test_pytorch_1_0_model_trains_in_fp16_and_bf16():
-    for dtype in (torch.float16, torch.bfloat16):
-        model = DynamicConvModel(20, 17, **SMALL, ops="pytorch_1_0").to(dtype).train()
-        logits = model(torch.randint(4, 20, (2, 5)), torch.full((2,), 5), torch.randint(4, 17, (2, 6)))
-        loss, _ = label_smoothed_loss(logits, torch.randint(4, 17, (2, 6)), 0.1, model.ops)
-        loss.backward()
-        assert logits.dtype == dtype and torch.isfinite(loss)
-        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_pytorch_1_0_ops_train_in_pure_16_bit_like_todays(precision):
+    """Through the real precision policy (norm parameters stay FP32): each LayerNorm returns its
+    input's dtype, and a whole training step runs and updates the weights."""
+    trainer = build_trainer(make_config(*TINY_DC, f"precision={precision}", "model.ops=pytorch_1_0"))
+    model = trainer.unwrapped_model
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    norms = [m for m in model.modules() if isinstance(m, LayerNorm)]
+    assert norms and all(m.weight.dtype == torch.float32 for m in norms)  # the policy's, not the test's
+    seen = []
+    hooks = [m.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype))) for m in norms]
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.train_step(trainer.example_batch())
+    for hook in hooks:
+        hook.remove()
+    assert seen and all(pair == (dtype, dtype) for pair in seen)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_unknown_ops_is_a_clear_error_naming_the_knob():

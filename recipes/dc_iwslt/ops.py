@@ -17,8 +17,9 @@ compute the same function (tested to rounding); they differ in what autograd hol
   - dropout was CUDA's fused kernel, which saved a byte mask (so on CPU this is *less* than
     ``current``'s 4-byte noise).
 
-  ``pytorch_1_0`` exists to reproduce the report's accounting (Table 4's 2,896 MB baseline is
-  PyTorch 1.0.1's); it costs memory and time, so train with ``current``.
+  These are emulations (custom autograd functions holding what 1.0's kernels held), not 1.0's
+  kernels. ``pytorch_1_0`` exists to reproduce the report's accounting (Table 4's 2,896 MB FP32
+  baseline was counted on PyTorch 1.0.1); it costs memory and time, so train with ``current``.
 """
 
 from __future__ import annotations
@@ -102,7 +103,10 @@ class Pytorch10Ops(Ops):
         # are the "spatial" positions); training statistics, nothing tracked.
         rows = x.numel() // x.shape[-1]
         normalized = F.batch_norm(x.contiguous().view(1, rows, -1), None, None, training=True, eps=norm.eps)
-        return torch.addcmul(norm.bias, normalized.view(x.shape), norm.weight)
+        # Pure 16-bit training keeps the norms' parameters in FP32 (lowmem.techniques.precision):
+        # the affine step would promote to FP32, so return the input's dtype as today's kernel does.
+        # addcmul still saves the 16-bit normalized tensor, as 1.0's all-FP16 model did.
+        return torch.addcmul(norm.bias, normalized.view(x.shape), norm.weight).to(x.dtype)
 
 
 def ops_named(name: str) -> Ops:
