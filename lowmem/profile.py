@@ -65,13 +65,25 @@ def _shapes(batch: Any) -> tuple:
     return tuple((tuple(t.shape), t.dtype) for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
 
 
+def _profile_row(trainer, measure: bool) -> tuple[MemoryReport, dict[str, Any]]:
+    """Profile ``trainer``'s first minibatch: the report and its JSON row (with the batch's shapes:
+    the global minibatch, of which each rank under torchrun profiles its share)."""
+    batch = trainer.example_batch()
+    report = profile_trainer(trainer, measure=measure, batch=batch)
+    row = {
+        **report.to_json(),
+        "batch_shapes": batch_shapes(batch),
+        "device": str(trainer.device),
+        "torch": torch.__version__,
+    }
+    return report, row
+
+
 def profile_config(cfg: DictConfig, measure: bool = True) -> dict[str, Any]:
     """The SPEC §2 JSON row of a composed configuration (``lowmem.config.compose``); prints nothing."""
     from lowmem.trainer import build_trainer
 
-    trainer = build_trainer(cfg)
-    report = profile_trainer(trainer, measure=measure)
-    return {**report.to_json(), "device": str(trainer.device), "torch": torch.__version__}
+    return _profile_row(build_trainer(cfg), measure)[1]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -83,22 +95,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from lowmem.trainer import build_trainer, resolve_device
 
     distributed.init_from_environment(resolve_device(cfg.trainer.device))
-    trainer = build_trainer(cfg)
-    batch = trainer.example_batch()
-    report = profile_trainer(trainer, measure=cfg.profile.measure_peak, batch=batch)
-    shapes = batch_shapes(batch)  # the global minibatch (each rank profiles its share)
+    report, row = _profile_row(build_trainer(cfg), cfg.profile.measure_peak)
     print(report.table())
-    data = ", ".join(f"{key} {' x '.join(map(str, shape))}" for key, shape in shapes.items() if len(shape) > 1)
+    shapes = row["batch_shapes"].items()
+    data = ", ".join(f"{key} {' x '.join(map(str, shape))}" for key, shape in shapes if len(shape) > 1)
     share = f"; this rank profiles its share of {distributed.world_size()}" if distributed.world_size() > 1 else ""
     print(f"minibatch profiled (the first of epoch 0): {data}{share}")
-    return {
-        **report.to_json(),
-        "batch_shapes": shapes,
-        "device": str(trainer.device),
-        "torch": torch.__version__,
-        "rank": distributed.rank(),
-        "world_size": distributed.world_size(),
-    }
+    return {**row, "rank": distributed.rank(), "world_size": distributed.world_size()}
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

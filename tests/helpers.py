@@ -21,4 +21,21 @@ TINY_WRN = (
     "trainer.progress=none",
 )
 
-__all__ = ["CONF", "ROOT", "TINY_WRN", "make_config"]
+# A small DynamicConv: the model's keyword arguments, and the same through the CLI on generated data.
+SMALL_DC_ARCH = dict(encoder_layers=2, decoder_layers=2, embed_dim=32, ffn_dim=64, heads=4,
+                     encoder_kernel_sizes=(3, 7), decoder_kernel_sizes=(3, 7))
+SMALL_DC = (
+    "+recipe=dc_iwslt",
+    "data=fake",
+    "data.train_size=300",
+    "data.test_size=8",
+    "data.batch_size=800",
+    "model.encoder_layers=3",
+    "model.decoder_layers=2",
+    "model.embed_dim=32",
+    "model.ffn_dim=64",
+    "model.heads=4",
+    "trainer.progress=none",
+)
+
+__all__ = ["CONF", "ROOT", "SMALL_DC", "SMALL_DC_ARCH", "TINY_WRN", "make_config"]

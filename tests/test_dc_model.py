@@ -13,9 +13,9 @@ from recipes.dc_iwslt.checkpoint_average import average_state_dicts
 from recipes.dc_iwslt.data import EOS, PAD
 from recipes.dc_iwslt.model import DynamicConv, DynamicConvModel
 from recipes.dc_iwslt.search import beam_search, greedy_decode
+from tests.helpers import SMALL_DC_ARCH
 
-SMALL = dict(encoder_layers=2, decoder_layers=2, embed_dim=32, ffn_dim=64, heads=4,
-             encoder_kernel_sizes=(3, 7), decoder_kernel_sizes=(3, 7))
+SMALL = SMALL_DC_ARCH
 SRC_VOCAB, TGT_VOCAB = 20, 17
 
 

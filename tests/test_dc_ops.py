@@ -11,7 +11,7 @@ from lowmem.trainer import build_trainer
 from recipes.dc_iwslt.model import DynamicConvModel
 from recipes.dc_iwslt.ops import LayerNorm, Ops, Pytorch10Ops, ops_named
 from recipes.dc_iwslt.recipe import architecture, label_smoothed_loss
-from tests.helpers import make_config
+from tests.helpers import SMALL_DC, SMALL_DC_ARCH, make_config
 
 ROWS, DIM = 12, 16
 F32 = 4
@@ -86,12 +86,8 @@ def test_pytorch_1_0_ops_save_what_pytorch_1_0_saved():
     assert _saved_bytes(lambda t: Ops().dropout(t, 0.1, True), x) == elements * F32
 
 
-SMALL = dict(encoder_layers=2, decoder_layers=2, embed_dim=32, ffn_dim=64, heads=4,
-             encoder_kernel_sizes=(3, 7), decoder_kernel_sizes=(3, 7))
+SMALL = SMALL_DC_ARCH
 NO_DROPOUT = dict(dropout=0.0, weight_dropout=0.0, attention_dropout=0.0)
-TINY_DC = ("+recipe=dc_iwslt", "data=fake", "data.train_size=60", "data.test_size=4", "data.batch_size=300",
-           "model.encoder_layers=2", "model.decoder_layers=2", "model.embed_dim=16", "model.ffn_dim=32",
-           "model.heads=4", "trainer.progress=none")
 
 
 def test_the_model_and_loss_agree_between_ops_without_dropout():
@@ -116,7 +112,7 @@ def test_the_model_and_loss_agree_between_ops_without_dropout():
 def test_pytorch_1_0_ops_train_in_pure_16_bit_like_todays(precision):
     """Through the real precision policy (norm parameters stay FP32): each LayerNorm returns its
     input's dtype, and a whole training step runs and updates the weights."""
-    trainer = build_trainer(make_config(*TINY_DC, f"precision={precision}", "model.ops=pytorch_1_0"))
+    trainer = build_trainer(make_config(*SMALL_DC, f"precision={precision}", "model.ops=pytorch_1_0"))
     model = trainer.unwrapped_model
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
     norms = [m for m in model.modules() if isinstance(m, LayerNorm)]

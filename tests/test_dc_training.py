@@ -13,29 +13,15 @@ import torch
 
 from lowmem.config import ConfigError
 from lowmem.trainer import build_trainer
-from tests.helpers import make_config
+from tests.helpers import SMALL_DC, make_config
 
-SMALL_DC = (
-    "+recipe=dc_iwslt",
-    "data=fake",
-    "data.train_size=300",
-    "data.test_size=8",
-    "data.batch_size=800",
-    "precision=fp64",
-    "model.encoder_layers=3",
-    "model.decoder_layers=2",
-    "model.embed_dim=32",
-    "model.ffn_dim=64",
-    "model.heads=4",
-    "trainer.progress=none",
-)
 NO_DROPOUT = ("model.dropout=0.0", "model.weight_dropout=0.0", "model.attention_dropout=0.0")
 
 
 def gradients(*overrides: str, state: dict | None = None) -> tuple[list[torch.Tensor], int, dict]:
     """One minibatch's forward and backward (no update) under ``overrides``: the parameter gradients,
     the number of microbatches run and the initial state dict (pass it back to start alike)."""
-    trainer = build_trainer(make_config(*SMALL_DC, *overrides))
+    trainer = build_trainer(make_config(*SMALL_DC, "precision=fp64", *overrides))
     model = trainer.unwrapped_model
     if state is not None:
         model.load_state_dict(state)
@@ -83,7 +69,7 @@ def test_table4_combination_microbatches_and_checkpointing_equals_the_plain_full
 
 def test_a_microbatch_smaller_than_the_longest_sentence_is_refused_naming_the_pair():
     with pytest.raises(ConfigError) as error:
-        build_trainer(make_config(*SMALL_DC, "microbatch.size=100"))
+        build_trainer(make_config(*SMALL_DC, "precision=fp64", "microbatch.size=100"))
     message = str(error.value)
     assert message.startswith("microbatch.size=100 tokens is smaller than training pair ")
     assert "set microbatch.size to at least 126" in message  # the generated corpus's longest pair

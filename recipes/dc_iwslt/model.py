@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowmem.residual import run_residual_blocks
-from recipes.dc_iwslt.ops import OPS_NAMES, LayerNorm, Ops, ops_named
+from recipes.dc_iwslt.ops import LayerNorm, Ops, ops_named
 
 # fairseq's kernel-size schedule: layer i uses _KERNEL_SCHEDULE[min(i, 3)] (3, 7, 15, 31, 31, ...).
 _KERNEL_SCHEDULE = (3, 7, 15, 31)
@@ -95,8 +95,7 @@ class Architecture:
         for knob in ("dropout", "weight_dropout", "attention_dropout", "relu_dropout", "input_dropout"):
             if not 0.0 <= getattr(self, knob) < 1.0:
                 raise ValueError(f"model.{knob}={getattr(self, knob)}: must be in [0, 1)")
-        if self.ops not in OPS_NAMES:
-            raise ValueError(f"model.ops={self.ops!r}: must be one of {', '.join(OPS_NAMES)}")
+        ops_named(self.ops)  # an unknown name fails here, naming model.ops
         for side in ("encoder", "decoder"):
             # Hydra hands lists over as ListConfig; store plain tuples of ints.
             sizes = _kernel_sizes(

@@ -28,8 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-OPS_NAMES = ("current", "pytorch_1_0")
-
 
 class Ops:
     """Today's PyTorch operators (``model.ops=current``)."""
@@ -109,13 +107,14 @@ class Pytorch10Ops(Ops):
         return torch.addcmul(norm.bias, normalized.view(x.shape), norm.weight).to(x.dtype)
 
 
+OPS = {ops.name: ops for ops in (Ops, Pytorch10Ops)}  # model.ops -> operator set
+
+
 def ops_named(name: str) -> Ops:
-    """The operators ``model.ops=name`` selects."""
-    if name == "current":
-        return Ops()
-    if name == "pytorch_1_0":
-        return Pytorch10Ops()
-    raise ValueError(f"model.ops={name!r}: must be one of {', '.join(OPS_NAMES)}")
+    """The operators ``model.ops=name`` selects; ValueError naming the knob for any other name."""
+    if name not in OPS:
+        raise ValueError(f"model.ops={name!r}: must be one of {', '.join(OPS)}")
+    return OPS[name]()
 
 
 class LayerNorm(nn.LayerNorm):

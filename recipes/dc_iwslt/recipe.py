@@ -132,9 +132,8 @@ class DynamicConvIwsltRecipe:
             )
         except ValueError as error:
             raise ConfigError(str(error)) from error
-        size = cfg.microbatch.size
-        if size is not None and size < train.longest_pair:
-            sizes = corpus.train.pair_sizes
+        size, sizes = cfg.microbatch.size, corpus.train.pair_sizes
+        if size is not None and size < sizes.max():
             longest, over = int(sizes.argmax()), int((sizes > size).sum())
             raise ConfigError(
                 f"microbatch.size={size} tokens is smaller than training pair {longest} ({int(sizes[longest])} "
