@@ -21,8 +21,8 @@ from torch import nn
 
 from lowmem import distributed
 from lowmem.config import ConfigError, microbatch_mode, validate
-from lowmem.memory import track_peak
 from lowmem.metrics_log import MetricsLog, Progress
+from lowmem.profiler import profile_trainer, track_peak
 from lowmem.recipe import Recipe, RecipeData, TechniqueDefaults, get_recipe
 from lowmem.run_files import CHECKPOINT, METRICS, MODEL, RESULT, provenance, save_json, save_torch
 from lowmem.schedules import learning_rate
@@ -134,8 +134,6 @@ class Trainer:
 
     def account_memory(self) -> dict[str, int]:
         """Accounted bytes (model, optimizer, activations, total) and FLOPs of one minibatch."""
-        from lowmem.profile import profile_trainer
-
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             report = profile_trainer(self, measure=False).to_json()
         keys = ("model_bytes", "optimizer_bytes", "activation_bytes", "total_bytes", "flops")
@@ -329,7 +327,7 @@ def _done(state: TrainState, max_steps: int | None) -> bool:
 
 class PeakTracker:
     """Measured allocator peak of training steps (bytes). CUDA: the allocator's own counter over
-    every step; CPU: the first step this process runs is measured with lowmem.memory's tracker (it
+    every step; CPU: the first step this process runs is measured with lowmem.profiler's tracker (it
     slows the step). ``previous``: the peak a resumed run had measured before this process; the
     run's peak is the larger of the two."""
 

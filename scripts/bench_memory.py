@@ -32,8 +32,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lowmem.config import compose
-from lowmem.memory import account_activations, count_flops, measure_peak
-from lowmem.profile import profile_trainer
+from lowmem.profiler import account_activations, count_flops, measure_peak, profile_trainer
 from lowmem.run_files import save_bytes
 from lowmem.trainer import build_trainer
 from recipes.wrn_cifar.model import WideResNet

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lowmem.config import ConfigError
-from lowmem.memory import account_activations
+from lowmem.profiler import account_activations
 from lowmem.trainer import build_trainer
 from recipes.dc_iwslt.model import DynamicConvModel
 from recipes.dc_iwslt.ops import LayerNorm, Ops, Pytorch10Ops, ops_named

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lowmem.memory import (
+from lowmem.profile import profile_config
+from lowmem.profiler import (
     ActivationTrace,
     Microbatch,
     account_activations,
@@ -25,8 +26,7 @@ from lowmem.memory import (
     measure_peak,
     profile_step,
 )
-from lowmem.memory_activations import maybe_fake
-from lowmem.profile import profile_config
+from lowmem.profiler.activations import maybe_fake
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.precision import CpuHalfConvolutionBackward
 from recipes.wrn_cifar.model import WideResNet

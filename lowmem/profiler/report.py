@@ -1,14 +1,14 @@
-"""Memory and FLOP profile of a training configuration: the report's accounting and the measured peak.
+"""The memory and FLOP report of one training step: the report's accounting and the measured peak.
 
 Two different figures, never mixed (SPEC §4):
 
 - the **accounting** (report §2.2, Appendix B): ``model_bytes`` (parameters, sparse ones as CSR),
   ``optimizer_bytes`` (gradient + momentum buffers), ``activation_bytes`` (peak of what backward
-  needs, read off the real autograd graph: ``lowmem.memory_activations``), ``total_bytes`` their sum;
+  needs, read off the real autograd graph: ``lowmem.profiler.activations``), ``total_bytes`` their sum;
   ``activation_held_bytes`` is the same tensors' peak as this run's autograd really held them
   (gradients until their storage dies, not only while a node needs them);
 - the **measured peak** ``peak_bytes`` of one real training step on the device
-  (``lowmem.memory_peak``), which also holds temporaries, gradient scratch and everything else.
+  (``lowmem.profiler.peak``), which also holds temporaries, gradient scratch and everything else.
 
 ``flops`` counts one minibatch: forward + backward + recomputation (``torch.utils.flop_counter``).
 
@@ -40,26 +40,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from lowmem.memory_activations import ActivationTrace, ActivationTracer, account_activations
-from lowmem.memory_peak import AllocationTracker, PeakMeasurement, count_flops, measure_peak, track_peak
-from lowmem.memory_state import StateBytes, account_state, csr_index_bytes
-
-__all__ = [
-    "ActivationTrace",
-    "ActivationTracer",
-    "AllocationTracker",
-    "MemoryReport",
-    "Microbatch",
-    "PeakMeasurement",
-    "StateBytes",
-    "account_activations",
-    "account_state",
-    "count_flops",
-    "csr_index_bytes",
-    "measure_peak",
-    "profile_step",
-    "track_peak",
-]
+from lowmem.profiler.activations import account_activations
+from lowmem.profiler.peak import measure_peak
+from lowmem.profiler.state import account_state
 
 MB = 1e6  # the report's megabyte (404.8 MB = 404.8e6 bytes)
 

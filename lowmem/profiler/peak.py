@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from lowmem.memory_activations import storage_key
+from lowmem.profiler.activations import storage_key
 from lowmem.techniques.precision import CpuHalfConvolutionBackward
 
 # Categories of the breakdown, in display order.

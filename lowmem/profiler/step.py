@@ -1,0 +1,60 @@
+"""Profile one minibatch of a ``lowmem.trainer.Trainer``: the row ``python -m lowmem.profile`` prints.
+
+Only the trainer's public pieces are used (``microbatches``, ``microbatch_backward``,
+``train_step``, ``example_batch``), so this module does not import the trainer: the trainer imports
+the profiler (for the accounting it stores with every result), never the other way round.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from lowmem.profiler.report import MemoryReport, Microbatch, profile_step
+
+
+def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> MemoryReport:
+    """Profile one minibatch of ``trainer``: ``batch``, by default its first (``example_batch``);
+    ``measure=False`` skips the real step (no measured peak: the accounting and FLOPs only)."""
+    batch = trainer.example_batch() if batch is None else batch
+    trainer.model.train()
+    # Microbatches of equal shapes have equal activations and FLOPs: account one of each shape.
+    distinct: dict[tuple, list] = {}
+    for part, weight in trainer.microbatches(batch):
+        distinct.setdefault(_shapes(part), [part, weight, 0])[2] += 1
+    microbatches = [
+        Microbatch(functools.partial(trainer.microbatch_backward, part, weight, local=True), count)
+        for part, weight, count in distinct.values()
+    ]
+    masks = trainer.sparsity.masks if trainer.sparsity is not None else None
+    step = (lambda: trainer.train_step(batch)) if measure else None
+    return profile_step(trainer.unwrapped_model, trainer.optimizer, microbatches, step, masks=masks)
+
+
+def profile_row(trainer: Any, measure: bool) -> tuple[MemoryReport, dict[str, Any]]:
+    """Profile ``trainer``'s first minibatch: the report and its JSON row (with the batch's shapes:
+    the global minibatch, of which each rank under torchrun profiles its share)."""
+    batch = trainer.example_batch()
+    report = profile_trainer(trainer, measure=measure, batch=batch)
+    row = {
+        **report.to_json(),
+        "batch_shapes": batch_shapes(batch),
+        "device": str(trainer.device),
+        "torch": torch.__version__,
+    }
+    return report, row
+
+
+def batch_shapes(batch: Any) -> dict[str, list[int]]:
+    """The shapes of the profiled minibatch's tensors, by key (dict batches) or position (sequences)."""
+    if isinstance(batch, torch.Tensor):
+        batch = {"batch": batch}
+    items = batch.items() if isinstance(batch, dict) else ((f"batch[{i}]", v) for i, v in enumerate(batch))
+    return {key: list(value.shape) for key, value in items if isinstance(value, torch.Tensor) and value.dim()}
+
+
+def _shapes(batch: Any) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
