@@ -61,6 +61,7 @@ class SparsityConfig:
     rewire_fraction_mult: float | None = None  # None: the recipe's table default for the density
     rewire_freq_mult: float | None = None  # None: the recipe's table default for the density
     init_threshold: float = 1e-3
+    storage: str = "compact"  # compact (values + positions) | masked (dense weight + bool mask, the report's)
 
 
 @dataclass
@@ -204,6 +205,12 @@ def validate(cfg: DictConfig | Config) -> None:
     for knob in ("rewire_fraction_mult", "rewire_freq_mult"):
         value = cfg.sparsity[knob] if isinstance(cfg, DictConfig) else getattr(cfg.sparsity, knob)
         _require(value is None or value > 0, f"sparsity.{knob}", value, "must be > 0 or null (table default)")
+    _require(
+        cfg.sparsity.storage in ("compact", "masked"),
+        "sparsity.storage",
+        cfg.sparsity.storage,
+        "one of compact, masked",
+    )
     _require(
         0 < cfg.sparsity.rewire_fraction < 1,
         "sparsity.rewire_fraction",

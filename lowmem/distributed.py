@@ -73,6 +73,14 @@ def wrap_model(model: nn.Module, device: torch.device, sync_batchnorm: bool = Fa
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
 
+def rewrap_model(model: nn.Module) -> nn.Module:
+    """A new DistributedDataParallel around ``model``'s module, for parameters that changed size
+    (compact sparse weights after a rewiring); ``model`` itself when not wrapped."""
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return model
+    return nn.parallel.DistributedDataParallel(model.module, device_ids=model.device_ids)
+
+
 def check_identical(value: int, what: str, device: torch.device) -> None:
     """Fail loudly if ``value`` (e.g. a checksum of the sparsity masks) differs between ranks."""
     if world_size() == 1:

@@ -49,6 +49,7 @@ class Recipe(Protocol):
     name: str
     data_names: tuple[str, ...]  # accepted values of `data=`
     primary_metric: str  # key of ``evaluate``'s result that "best" refers to (higher is better)
+    sparse_init: str  # how sparsity initialises sparse weights: "he_normal" or "model" (keep the model's)
 
     def build_model(self, cfg: Any) -> nn.Module: ...
 

@@ -27,6 +27,7 @@ from lowmem.recipe import Recipe, RecipeData, TechniqueDefaults, get_recipe
 from lowmem.run_files import CHECKPOINT, METRICS, MODEL, RESULT, provenance, save_json, save_torch
 from lowmem.schedules import learning_rate
 from lowmem.techniques.checkpointing import apply_checkpointing
+from lowmem.techniques.compact import dense_copy, dense_state_dict
 from lowmem.techniques.microbatch import apply_simulated_microbatching, no_sync_except_last
 from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
 from lowmem.techniques.precision import (
@@ -176,6 +177,9 @@ class Trainer:
                 if rewiring is not None:
                     record["rewiring"] = rewiring
                     distributed.check_identical(self.sparsity.mask_checksum(), "sparsity masks", self.device)
+                    if self.sparsity.compact is not None:
+                        # Compact weights changed size: the data-parallel wrapper's buckets are rebuilt.
+                        self.model = distributed.rewrap_model(self.model)
         self.scaler.update(overflow)
         record["skipped"] = bool(overflow)
         return record
@@ -245,13 +249,15 @@ class Trainer:
             if final_evaluation is not None and rank0:
                 self.model.eval()
                 with autocast_context(self.policy, self.device):
-                    scores = final_evaluation(self.unwrapped_model, self.data.test, self._snapshots(run_dir))
+                    # A dense copy: the snapshots are plain dense state dicts, averaged across masks.
+                    dense_model = dense_copy(self.unwrapped_model)
+                    scores = final_evaluation(dense_model, self.data.test, self._snapshots(run_dir))
                 result.update(scores)
                 metrics.log({"step": state.step, "final": scores})
         finally:
             metrics.close()
         if rank0:
-            save_torch(self.unwrapped_model.state_dict(), run_dir / MODEL)
+            save_torch(dense_state_dict(self.unwrapped_model), run_dir / MODEL)
             save_json(result, run_dir / RESULT)
         return result
 
@@ -267,7 +273,7 @@ class Trainer:
         keep = getattr(self.recipe, "average_last", 0)
         if keep <= 0:
             return
-        save_torch(self.unwrapped_model.state_dict(), run_dir / "snapshots" / f"step_{self.state.step:09d}.pt")
+        save_torch(dense_state_dict(self.unwrapped_model), run_dir / "snapshots" / f"step_{self.state.step:09d}.pt")
         for old in self._snapshots(run_dir)[:-keep]:
             old.unlink()
 
@@ -308,13 +314,24 @@ class Trainer:
         }
 
     def load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("config", {}).get("sparsity", {})
+        for knob in ("density", "storage"):
+            mine = self.config.sparsity[knob]
+            theirs = saved.get(knob, "masked" if knob == "storage" else None)
+            if theirs is not None and theirs != mine:
+                raise ConfigError(
+                    f"trainer.resume: the checkpoint was trained with sparsity.{knob}={theirs}, this run has "
+                    f"sparsity.{knob}={mine}; resume with sparsity.{knob}={theirs}"
+                )
+        if (checkpoint["sparsity"] is None) != (self.sparsity is None):
+            raise ConfigError("trainer.resume: the checkpoint's sparsity.density differs from this run's")
+        # Sparsity first: compact storage lays the weights out for the checkpoint's active counts,
+        # then the model's state dict fills in their values and positions.
+        if self.sparsity is not None:
+            self.sparsity.load_state_dict(checkpoint["sparsity"])
         self.unwrapped_model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scaler.load_state_dict(checkpoint["scaler"])
-        if (checkpoint["sparsity"] is None) != (self.sparsity is None):
-            raise ConfigError("trainer.resume: the checkpoint's sparsity.density differs from this run's")
-        if self.sparsity is not None:
-            self.sparsity.load_state_dict(checkpoint["sparsity"])
         self.state = TrainState(**checkpoint["trainer"])
         torch.set_rng_state(checkpoint["rng"]["torch"])
         if checkpoint["rng"]["cuda"] and torch.cuda.is_available():
@@ -408,8 +425,17 @@ def build_trainer(cfg: DictConfig) -> Trainer:
     # 1. The recipe's model, in FP32, from the seed (the same weights whatever the techniques).
     model = recipe.build_model(cfg).to(device)
     defaults = recipe.table_defaults(cfg.sparsity.density)
-    # 2. Sparsity before the precision cast: masks and the sparse init are drawn in FP32, so a
-    #    precision change never changes which weights are active.
+    # 2. Simulated microbatching makes every BatchNorm compute statistics per group of examples
+    #    (in place: same modules, parameters and state-dict keys).
+    if cfg.microbatch.size is not None and microbatch_mode(cfg) == "simulated":
+        apply_simulated_microbatching(model, cfg.microbatch.size)
+    # 3. Precision: 16-bit weights except normalization layers (amp keeps FP32 weights). The
+    #    optimizer, built afterwards, creates its state in each parameter's dtype.
+    convert_model(model, policy)
+    # 4. Sparsity after the precision cast, so compact storage holds the values in their final
+    #    dtype and no dense weight is kept. Masks and the sparse init are drawn in FP32 from the
+    #    sparsity generator whatever the precision, so precision never changes which weights are
+    #    active.
     sparsity = None
     if cfg.sparsity.density < 1.0:
         sparsity = DynamicSparsity(
@@ -422,14 +448,9 @@ def build_trainer(cfg: DictConfig) -> Trainer:
             freq_mult=_pick(cfg.sparsity.rewire_freq_mult, defaults.rewire_freq_mult),
             init_threshold=cfg.sparsity.init_threshold,
             seed=cfg.trainer.seed,
+            storage=cfg.sparsity.storage,
+            init=recipe.sparse_init,
         )
-    # 3. Simulated microbatching makes every BatchNorm compute statistics per group of examples
-    #    (in place: same modules, parameters and state-dict keys).
-    if cfg.microbatch.size is not None and microbatch_mode(cfg) == "simulated":
-        apply_simulated_microbatching(model, cfg.microbatch.size)
-    # 4. Precision: 16-bit weights except normalization layers (amp keeps FP32 weights). The
-    #    optimizer, built afterwards, creates its state in each parameter's dtype.
-    convert_model(model, policy)
     # 5. Checkpointing last among the model transforms: it changes how blocks are *run*, so it
     #    wraps whatever the blocks have become.
     if cfg.checkpointing.strategy != "none":

@@ -38,7 +38,7 @@ F32 = 4  # bytes per FP32 element
 # --- model and optimizer memory -----------------------------------------------------------------
 
 
-def test_csr_bytes_of_a_masked_conv_by_hand():
+def test_csr_bytes_of_a_sparse_conv_by_hand():
     conv = nn.Conv2d(3, 4, 3, bias=False)  # a 4 x 27 matrix: column indices need ceil(log2 27) = 5 bits
     mask = torch.zeros(conv.weight.shape, dtype=torch.bool)
     mask.view(-1)[torch.randperm(108)[:10]] = True
@@ -46,13 +46,19 @@ def test_csr_bytes_of_a_masked_conv_by_hand():
     assert csr_index_bytes(conv.weight.shape, 10) == 27
     sgd = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9)
     # The gradient and the momentum share the weight's indices: values only.
-    assert account_state(conv, sgd, {"weight": mask}) == (10 * F32 + 27, 10 * F32 * 2)
+    sparse = {"weight": (conv.weight.shape, int(mask.sum()))}
+    assert account_state(conv, sgd, sparse) == (10 * F32 + 27, 10 * F32 * 2)
     adam = torch.optim.Adam(conv.parameters())
-    assert account_state(conv, adam, {"weight": mask}).optimizer_bytes == 10 * F32 * 3
+    assert account_state(conv, adam, sparse).optimizer_bytes == 10 * F32 * 3
     assert account_state(conv, sgd) == (108 * F32, 108 * F32 * 2)
     assert account_state(conv, None) == (108 * F32, 108 * F32)  # no optimizer: gradients only
     with pytest.raises(KeyError, match="conv1.weight"):
-        account_state(conv, sgd, {"conv1.weight": mask})
+        account_state(conv, sgd, {"conv1.weight": sparse["weight"]})
+    # Compact storage: the parameter holds the 10 values only; the same bytes.
+    compact = nn.Module()
+    compact.weight_values = nn.Parameter(torch.zeros(10))
+    sgd = torch.optim.SGD(compact.parameters(), lr=0.1, momentum=0.9)
+    assert account_state(compact, sgd, {"weight_values": sparse["weight"]}) == (10 * F32 + 27, 10 * F32 * 2)
 
 
 @pytest.mark.parametrize("make_optimizer", [

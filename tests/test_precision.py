@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
+from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD, read_moment
 from lowmem.techniques.precision import (
     PRECISIONS,
     AmpLossScaler,
@@ -19,6 +19,7 @@ from lowmem.techniques.precision import (
     make_policy,
     round_to_dtype,
 )
+from tests.per_tensor_optimizers import LowPrecisionAdam as PerTensorAdam
 
 CPU = torch.device("cpu")
 
@@ -233,7 +234,7 @@ def test_adam_on_fp32_matches_the_plain_reference_and_adamw():
     torch.testing.assert_close(param.detach(), adamw_param.detach(), rtol=0, atol=1e-6)
 
 
-class UnscaledMomentAdam(LowPrecisionAdam):
+class UnscaledMomentAdam(PerTensorAdam):
     """The naive variant the report warns about: FP16 moments rounded without any scaling."""
 
     @staticmethod
@@ -287,7 +288,7 @@ def test_scaled_moments_survive_state_dict_and_sparsity_zeroing():
     param.grad = (gradient * 2.0**14).half()  # loss-scaled, as the FP16 gradient would arrive
     assert ((1 - 0.98) * gradient**2).half().eq(0).all()
     optimizer.step(grad_scale=2.0**14)
-    exp_avg_sq = optimizer._read_moment(optimizer.state[param], "exp_avg_sq")
+    exp_avg_sq = read_moment(optimizer.state[param], "exp_avg_sq")
     assert optimizer.state[param]["exp_avg_sq_log2_scale"] > 16  # 2**16 itself would overflow FP16
     torch.testing.assert_close(exp_avg_sq, 0.02 * param.grad.float().div(2.0**14) ** 2, rtol=2e-3, atol=0)
 
@@ -296,12 +297,12 @@ def test_scaled_moments_survive_state_dict_and_sparsity_zeroing():
     restored_param.data.copy_(param.data)
     restored.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     torch.testing.assert_close(
-        optimizer._read_moment(restored.state[restored_param], "exp_avg_sq"), exp_avg_sq
+        read_moment(restored.state[restored_param], "exp_avg_sq"), exp_avg_sq
     )
 
     # The sparsity technique zeroes state at inactive positions: a stored zero reads as a zero moment.
     optimizer.state[param]["exp_avg_sq"][:10] = 0
-    assert (optimizer._read_moment(optimizer.state[param], "exp_avg_sq")[:10] == 0).all()
+    assert (read_moment(optimizer.state[param], "exp_avg_sq")[:10] == 0).all()
 
 
 def test_scaled_fp16_gradient_is_unscaled_in_fp32_not_in_fp16():

@@ -11,8 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowmem.techniques.compact import densify
+from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
 from lowmem.techniques.sparsity import (
     DC_SCHEDULE,
+    STORAGES,
     WRN_SCHEDULE,
     DynamicSparsity,
     RewireSchedule,
@@ -20,6 +23,8 @@ from lowmem.techniques.sparsity import (
     split_regrowth,
 )
 from recipes.wrn_cifar.model import WideResNet
+
+storages = pytest.mark.parametrize("storage", STORAGES)
 
 
 class ToyNet(nn.Module):
@@ -64,20 +69,32 @@ def train_step(model: nn.Module, sparsity: DynamicSparsity, optimizer: torch.opt
     return sparsity.after_optimizer_step(optimizer, epoch=0.0)
 
 
-def assert_inactive_zero(model: nn.Module, sparsity: DynamicSparsity) -> None:
+def assert_inactive_zero(sparsity: DynamicSparsity) -> None:
     for name, mask in sparsity.masks.items():
         assert mask.dtype == torch.bool
-        assert (model.get_parameter(name)[~mask] == 0).all(), name
+        assert (sparsity.dense_weight(name)[~mask] == 0).all(), name
 
 
-def test_exact_count_and_zero_inactive_weights_through_training():
+def dense_state(sparsity: DynamicSparsity, optimizer: torch.optim.Optimizer, name: str) -> list[torch.Tensor]:
+    """The optimizer's parameter-shaped state of sparse weight ``name``, as dense tensors."""
+    if sparsity.compact is None:
+        param = sparsity.model.get_parameter(name)
+        return [v for v in optimizer.state[param].values() if torch.is_tensor(v) and v.shape == param.shape]
+    values, positions = sparsity.compact.layer(name)
+    shape = sparsity.compact.shape(name)
+    state = optimizer.state[values].values()
+    return [densify(v, positions, shape) for v in state if torch.is_tensor(v) and v.shape == values.shape]
+
+
+@storages
+def test_exact_count_and_zero_inactive_weights_through_training(storage):
     model = ToyNet()
-    sparsity = make_sparsity(model)
-    optimizer = sgd(model)
     expected = sum(round(0.3 * model.get_parameter(name).numel()) for name in SPARSE)
+    sparsity = make_sparsity(model, storage=storage)
+    optimizer = sgd(model)
     initial = {name: mask.clone() for name, mask in sparsity.masks.items()}
     assert sparsity.nonzero_count() == expected and sparsity.numel() == 1528
-    assert_inactive_zero(model, sparsity)
+    assert_inactive_zero(sparsity)
 
     reports = [train_step(model, sparsity, optimizer, step) for step in range(40)]
     rewirings = [report for report in reports if report is not None]
@@ -88,7 +105,7 @@ def test_exact_count_and_zero_inactive_weights_through_training():
         assert set(report["layer_density"]) == set(SPARSE)
     assert sum(report["pruned"] for report in rewirings) > 100
     assert sparsity.nonzero_count() == expected
-    assert_inactive_zero(model, sparsity)
+    assert_inactive_zero(sparsity)
     assert any(not torch.equal(initial[name], sparsity.masks[name]) for name in SPARSE)
 
 
@@ -110,29 +127,30 @@ class FP16MomentSGD(torch.optim.Optimizer):
                 p.add_(state["moment_fp16"].float(), alpha=-group["lr"])
 
 
+@storages
 @pytest.mark.parametrize(
     "make_optimizer",
     [
         sgd,
         lambda model: torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=1e-4),
+        lambda model: LowPrecisionAdam(model.parameters(), lr=1e-2, weight_decay=1e-4),
         lambda model: FP16MomentSGD(model.parameters()),
     ],
-    ids=["sgd_nesterov", "adam", "custom_fp16_moments"],
+    ids=["sgd_nesterov", "adam", "lowmem_adam", "custom_fp16_moments"],
 )
-def test_optimizer_state_zero_at_inactive_and_regrown_positions(make_optimizer):
+def test_optimizer_state_zero_at_inactive_and_regrown_positions(make_optimizer, storage):
     model = ToyNet()
-    sparsity = make_sparsity(model, period=3)
+    sparsity = make_sparsity(model, period=3, storage=storage)
     optimizer = make_optimizer(model)
     grown_somewhere = False
     for step in range(18):
         before = {name: mask.clone() for name, mask in sparsity.masks.items()}
         report = train_step(model, sparsity, optimizer, step)
         for name, mask in sparsity.masks.items():
-            param = model.get_parameter(name)
             grown = mask & ~before[name]
             grown_somewhere |= bool(grown.any())
-            assert (param[grown] == 0).all()
-            states = [v for v in optimizer.state[param].values() if v.shape == param.shape]
+            assert (sparsity.dense_weight(name)[grown] == 0).all()
+            states = dense_state(sparsity, optimizer, name)
             assert states
             for state in states:
                 assert (state[~mask | grown] == 0).all(), (name, step)
@@ -141,16 +159,17 @@ def test_optimizer_state_zero_at_inactive_and_regrown_positions(make_optimizer):
     assert grown_somewhere
 
 
-def test_no_regrowth_at_just_pruned_positions():
+@storages
+def test_no_regrowth_at_just_pruned_positions(storage):
     model = ToyNet()
     # At density 0.9 free slots are scarce: regrowth that could reuse pruned positions would hit them
     # about half the time.
-    sparsity = make_sparsity(model, density=0.9)
-    active = torch.cat([model.get_parameter(n).detach()[m].abs() for n, m in sparsity.masks.items()])
+    sparsity = make_sparsity(model, density=0.9, storage=storage)
+    active = torch.cat([sparsity.dense_weight(n).detach()[m].abs() for n, m in sparsity.masks.items()])
     sparsity.threshold = float(active.quantile(0.08))
     before = {name: mask.clone() for name, mask in sparsity.masks.items()}
     just_pruned = {
-        name: mask & (model.get_parameter(name).abs() < sparsity.threshold) for name, mask in before.items()
+        name: mask & (sparsity.dense_weight(name).abs() < sparsity.threshold) for name, mask in before.items()
     }
     count = sparsity.nonzero_count()
 
@@ -160,7 +179,7 @@ def test_no_regrowth_at_just_pruned_positions():
     assert report["regrown"] == report["pruned"] and sparsity.nonzero_count() == count
     for name, mask in sparsity.masks.items():
         assert not mask[just_pruned[name]].any(), name
-        assert (model.get_parameter(name)[mask & ~before[name]] == 0).all()
+        assert (sparsity.dense_weight(name)[mask & ~before[name]] == 0).all()
 
 
 @pytest.mark.parametrize(("target_over_pruned", "factor"), [(1 / 1.2, 0.5), (1 / 0.8, 2.0), (1.0, 1.0)])
@@ -168,7 +187,7 @@ def test_threshold_halves_or_doubles(target_over_pruned, factor):
     threshold = 0.05
     probe = make_sparsity(ToyNet(), seed=7)
     pruned = sum(
-        int((mask & (probe.model.get_parameter(name).abs() < threshold)).sum())
+        int((mask & (probe.dense_weight(name).abs() < threshold)).sum())
         for name, mask in probe.masks.items()
     )
     assert pruned > 10
@@ -242,15 +261,19 @@ def test_same_seed_same_masks_and_weights():
     torch.manual_seed(2)  # a different initial model: DSR re-initialises it from its own seed
     second = make_sparsity(ToyNet(), seed=3)
     other = make_sparsity(ToyNet(), seed=4)
+    masked = make_sparsity(ToyNet(), seed=3, storage="masked")  # storage changes nothing drawn
     for name in SPARSE:
         assert torch.equal(first.masks[name], second.masks[name])
-        assert torch.equal(first.model.get_parameter(name), second.model.get_parameter(name))
+        assert torch.equal(first.masks[name], masked.masks[name])
+        assert torch.equal(first.dense_weight(name), second.dense_weight(name))
+        assert torch.equal(first.dense_weight(name), masked.dense_weight(name))
     assert any(not torch.equal(first.masks[name], other.masks[name]) for name in SPARSE)
 
 
-def test_state_dict_round_trip_continues_bit_identically():
+@storages
+def test_state_dict_round_trip_continues_bit_identically(storage):
     model = ToyNet()
-    sparsity = make_sparsity(model, period=4, seed=0)
+    sparsity = make_sparsity(model, period=4, seed=0, storage=storage)
     optimizer = sgd(model)
     for step in range(12):
         train_step(model, sparsity, optimizer, step)
@@ -265,11 +288,11 @@ def test_state_dict_round_trip_continues_bit_identically():
     buffer.seek(0)
     checkpoint = torch.load(buffer, weights_only=True)
     resumed_model = ToyNet()
-    resumed = make_sparsity(resumed_model, period=4, seed=99)  # the checkpoint must override all of it
+    resumed = make_sparsity(resumed_model, period=4, seed=99, storage=storage)  # the checkpoint overrides it all
+    resumed.load_state_dict(checkpoint["sparsity"])  # first: compact storage takes the saved layout
     resumed_model.load_state_dict(checkpoint["model"])
     resumed_optimizer = sgd(resumed_model)
     resumed_optimizer.load_state_dict(checkpoint["optimizer"])
-    resumed.load_state_dict(checkpoint["sparsity"])
     resumed_reports = [train_step(resumed_model, resumed, resumed_optimizer, step) for step in range(12, 26)]
 
     assert resumed_reports == reports
@@ -282,18 +305,27 @@ def test_state_dict_round_trip_continues_bit_identically():
         assert torch.equal(value, resumed_value), name
 
 
-def test_load_state_dict_rejects_other_layers():
-    state = make_sparsity(ToyNet()).state_dict()
-    state["masks"]["conv3.weight"] = state["masks"].pop("conv2.weight")
+@storages
+def test_load_state_dict_rejects_other_layers_another_density_and_storage(storage):
+    state = make_sparsity(ToyNet(), storage=storage).state_dict()
+    layers = state["counts" if storage == "compact" else "masks"]
+    layers["conv3.weight"] = layers.pop("conv2.weight")
     with pytest.raises(ValueError, match="conv3.weight"):
-        make_sparsity(ToyNet()).load_state_dict(state)
+        make_sparsity(ToyNet(), storage=storage).load_state_dict(state)
+    other = "masked" if storage == "compact" else "compact"
+    with pytest.raises(ValueError, match="sparsity.storage"):
+        make_sparsity(ToyNet(), storage=other).load_state_dict(make_sparsity(ToyNet(), storage=storage).state_dict())
+    if storage == "compact":
+        with pytest.raises(ValueError, match="sparsity.density"):
+            make_sparsity(ToyNet(), density=0.5).load_state_dict(make_sparsity(ToyNet()).state_dict())
 
 
+@storages
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision_weights(dtype):
+def test_low_precision_weights(dtype, storage):
     model = ToyNet().to(dtype)
-    sparsity = make_sparsity(model, init_threshold=0.02)
-    optimizer = sgd(model)
+    sparsity = make_sparsity(model, init_threshold=0.02, storage=storage)
+    optimizer = LowPrecisionSGD(model.parameters(), lr=0.1, stochastic_rounding=True)
     count = sparsity.nonzero_count()
     pruned = 0
     for step in range(12):
@@ -307,13 +339,13 @@ def test_low_precision_weights(dtype):
         report = sparsity.after_optimizer_step(optimizer, epoch=step / 10)
         pruned += report["pruned"] if report else 0
     assert pruned > 0 and sparsity.nonzero_count() == count
-    assert all(model.get_parameter(name).dtype == dtype for name in SPARSE)
-    assert_inactive_zero(model, sparsity)
+    assert all(sparsity.dense_weight(name).dtype == dtype for name in SPARSE)
+    assert_inactive_zero(sparsity)
 
 
 def test_mask_gradients_keeps_active_gradients():
     model = ToyNet()
-    sparsity = make_sparsity(model)
+    sparsity = make_sparsity(model, storage="masked")  # compact storage has no inactive gradient
     grads = {name: torch.randn_like(model.get_parameter(name)) for name in SPARSE}
     for name, grad in grads.items():
         model.get_parameter(name).grad = torch.where(sparsity.masks[name], grad, float("inf"))
@@ -325,19 +357,22 @@ def test_mask_gradients_keeps_active_gradients():
     assert model.fc.bias.grad.isnan().all()
 
 
-def test_density_one_is_dense_and_never_rewires():
+@storages
+def test_density_one_is_dense_and_never_rewires(storage):
     model = ToyNet()
-    sparsity = make_sparsity(model, density=1.0, period=1)
+    sparsity = make_sparsity(model, density=1.0, period=1, storage=storage)
     optimizer = sgd(model)
     assert all(mask.all() for mask in sparsity.masks.values())
     assert all(train_step(model, sparsity, optimizer, step) is None for step in range(3))
     assert sparsity.nonzero_count() == sparsity.numel()
 
 
-def test_wrn_16_1_step_and_rewiring():
+@storages
+def test_wrn_16_1_step_and_rewiring(storage):
     model = WideResNet(16, 1)
     names = model.sparsifiable_weights()
-    sparsity = DynamicSparsity(model, names, 0.3, schedule=every(1), init_threshold=0.05)
+    dense_counts = sum(round(0.3 * model.get_parameter(n).numel()) for n in names)
+    sparsity = DynamicSparsity(model, names, 0.3, schedule=every(1), init_threshold=0.05, storage=storage)
     optimizer = sgd(model)
     count = sparsity.nonzero_count()
     assert len(sparsity.sparse_weight_names()) == 12
@@ -347,10 +382,8 @@ def test_wrn_16_1_step_and_rewiring():
     optimizer.step()
     report = sparsity.after_optimizer_step(optimizer, epoch=0.01)
     assert report is not None and report["pruned"] > 0
-    assert (
-        sparsity.nonzero_count() == count == sum(round(0.3 * model.get_parameter(n).numel()) for n in names)
-    )
-    assert_inactive_zero(model, sparsity)
+    assert sparsity.nonzero_count() == count == dense_counts
+    assert_inactive_zero(sparsity)
 
 
 def test_split_regrowth():

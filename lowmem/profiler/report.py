@@ -21,7 +21,7 @@ Usage with your own model and step::
     def train_step():                  # the whole real step, optimizer included
         optimizer.zero_grad(); run_microbatches(); optimizer.step()
 
-    report = profile_step(model, optimizer, run_microbatches, train_step, masks=sparsity.masks)
+    report = profile_step(model, optimizer, run_microbatches, train_step, sparse=sparsity.trained_parameters())
     print(report.table()); json.dumps(report.to_json())
 
 The accounting and the FLOPs run ``run_microbatches`` on fake tensors (shapes and dtypes, no
@@ -33,6 +33,7 @@ each is then run once (ten times faster for ten equal microbatches).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -112,7 +113,7 @@ def profile_step(
     microbatches: Callable[[], object] | Sequence[Microbatch],
     train_step: Callable[[], object] | None = None,
     *,
-    masks: Mapping[str, torch.Tensor] | None = None,
+    sparse: Mapping[str, tuple[Sequence[int], int]] | None = None,
     fake: bool = True,
 ) -> MemoryReport:
     """Account, count and (if ``train_step`` is given) measure one training step of ``model``.
@@ -122,13 +123,15 @@ def profile_step(
         microbatch's (the largest), FLOPs the whole minibatch's.
     train_step: the complete real step (it runs once and updates the model); None skips the
         measured peak.
-    masks: sparse weights' bool masks by parameter name (``DynamicSparsity.masks``).
+    sparse: the parameters holding sparse weights, with their dense shapes and active counts
+        (``DynamicSparsity.trained_parameters()``), counted as CSR.
     """
     if callable(microbatches):
         microbatches = [Microbatch(microbatches)]
     seconds: dict[str, float] = {}
     started = time.perf_counter()
-    state = account_state(model, optimizer, masks)
+    sparse = dict(sparse or {})
+    state = account_state(model, optimizer, sparse)
     traces = [(account_activations(m.run, model, fake=fake), m.count) for m in microbatches]
     activations = max((trace for trace, _ in traces), key=lambda trace: trace.activation_bytes)
     flops = sum(trace.flops * count for trace, count in traces)
@@ -138,9 +141,9 @@ def profile_step(
         started = time.perf_counter()
         peak = measure_peak(train_step, model, optimizer)
         seconds["measured_step"] = time.perf_counter() - started
-    masks = masks or {}
     params = dict(model.named_parameters())
-    nonzero = sum(int(masks[n].count_nonzero()) if n in masks else p.numel() for n, p in params.items())
+    nonzero = sum(sparse[n][1] if n in sparse else p.numel() for n, p in params.items())
+    dense_count = sum(math.prod(sparse[n][0]) if n in sparse else p.numel() for n, p in params.items())
     return MemoryReport(
         model_bytes=state.model_bytes,
         optimizer_bytes=state.optimizer_bytes,
@@ -150,7 +153,7 @@ def profile_step(
         peak_breakdown={} if peak is None else peak.breakdown,
         peak_location="" if peak is None else peak.location,
         flops=flops,
-        params=sum(p.numel() for p in params.values()),
+        params=dense_count,
         nonzero_params=nonzero,
         activation_at_peak=activations.at_peak,
         activation_location=f"{activations.peak_phase}: {activations.peak_location}",

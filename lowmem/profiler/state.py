@@ -16,7 +16,7 @@ scales) are not counted: the report counts parameters and parameter-shaped buffe
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -70,28 +70,29 @@ def _state_buffers(optimizer: torch.optim.Optimizer | None, param: torch.Tensor)
 def account_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
-    masks: Mapping[str, torch.Tensor] | None = None,
+    sparse: Mapping[str, tuple[Sequence[int], int]] | None = None,
 ) -> StateBytes:
     """Model and optimizer bytes of ``model`` trained with ``optimizer``.
 
-    masks: bool tensors (True = active) keyed by names from ``model.named_parameters()``, e.g.
-        ``DynamicSparsity.masks``; those weights are counted as CSR.
+    sparse: the parameters that hold sparse weights, by their names in ``model.named_parameters()``,
+        each with the weight's dense shape and its number of active entries
+        (``DynamicSparsity.trained_parameters()``); those weights are counted as CSR, whether the
+        parameter holds the dense weight (masked storage) or the active values only (compact).
     optimizer: its existing state tensors are counted in their own dtype; before the optimizer's
         first step (no state yet) the momentum buffers are counted by the optimizer's kind
         (``momentum_buffers``) in the parameter's dtype. None: gradients only.
     """
-    masks = dict(masks or {})
+    sparse = dict(sparse or {})
     params = dict(model.named_parameters())
-    unknown = sorted(set(masks) - set(params))
+    unknown = sorted(set(sparse) - set(params))
     if unknown:
-        raise KeyError(f"masks name weights that {type(model).__name__} does not have: {', '.join(unknown)}")
+        raise KeyError(f"sparse weights that {type(model).__name__} does not have: {', '.join(unknown)}")
     model_bytes = optimizer_bytes = 0
     for name, param in params.items():
-        mask = masks.get(name)
-        nonzeros = param.numel() if mask is None else int(mask.count_nonzero())
+        shape, nonzeros = sparse.get(name, (param.shape, param.numel()))
         model_bytes += nonzeros * param.element_size()
-        if mask is not None:
-            model_bytes += csr_index_bytes(param.shape, nonzeros)
+        if name in sparse:
+            model_bytes += csr_index_bytes(shape, nonzeros)
         if not param.requires_grad:
             continue
         grad_size = param.grad.element_size() if param.grad is not None else param.element_size()

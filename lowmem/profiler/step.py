@@ -29,9 +29,9 @@ def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> Me
         Microbatch(functools.partial(trainer.microbatch_backward, part, weight, local=True), count)
         for part, weight, count in distinct.values()
     ]
-    masks = trainer.sparsity.masks if trainer.sparsity is not None else None
+    sparse = trainer.sparsity.trained_parameters() if trainer.sparsity is not None else None
     step = (lambda: trainer.train_step(batch)) if measure else None
-    return profile_step(trainer.unwrapped_model, trainer.optimizer, microbatches, step, masks=masks)
+    return profile_step(trainer.unwrapped_model, trainer.optimizer, microbatches, step, sparse=sparse)
 
 
 def profile_row(trainer: Any, measure: bool) -> tuple[MemoryReport, dict[str, Any]]:

@@ -53,6 +53,7 @@ from lowmem.residual import (
     set_block_executor,
     set_norm_relu_conv,
 )
+from lowmem.techniques.compact import dense_weight, trained_weight, weight_gradient
 
 STRATEGIES = ("none", "no_bn", "residual", "residual_star")
 
@@ -398,14 +399,17 @@ def recomputed_norm_relu_conv(norm: nn.Module, conv: nn.Module, x: torch.Tensor)
     if not torch.is_grad_enabled():
         _NormReluConvCalls.next_is_skipped()  # counted, never skipped: the output is the result
         return plain_norm_relu_conv(norm, conv, x)
-    if type(conv) is not nn.Conv2d or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+    if not isinstance(conv, nn.Conv2d) or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
         raise ValueError(
             f"checkpointing.strategy=no_bn/residual_star recompute BN-ReLU before an nn.Conv2d with numeric "
             f"zero padding; got {conv!r}"
         )
     norm_params = list(norm.parameters())
     output_read = not _NormReluConvCalls.next_is_skipped()
-    return _NormReluConvRecomputed.apply(norm, conv, output_read, x, conv.weight, conv.bias, *norm_params)
+    # The trained weight: the dense parameter, or the compact values of a sparse convolution (whose
+    # dense weight is built where it is used and dropped: lowmem.techniques.compact).
+    weight = trained_weight(conv)
+    return _NormReluConvRecomputed.apply(norm, conv, output_read, x, weight, conv.bias, *norm_params)
 
 
 class _NormReluConvRecomputed(torch.autograd.Function):
@@ -427,20 +431,22 @@ class _NormReluConvRecomputed(torch.autograd.Function):
         if not output_read:  # a recomputation that needs this node, not its value: a broadcast zero
             ctx.save_for_backward(x, weight)
             return x.new_zeros((), dtype=_conv_dtype(x, weight)).expand(_conv_output_shape(conv, x))
+        trained, weight = weight, dense_weight(conv)
         # Forward runs the norm once: this is the one running-statistics update.
         if _keeps_batch_statistics(norm, x):
             normalized, mean, invstd = _batch_norm_with_statistics(norm, x)
-            ctx.save_for_backward(x, weight, mean, invstd)
+            ctx.save_for_backward(x, trained, mean, invstd)
         else:
             normalized = norm(x)
-            ctx.save_for_backward(x, weight)
+            ctx.save_for_backward(x, trained)
         activation = F.relu(normalized)
         return F.conv2d(activation, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved_x, weight, *statistics = ctx.saved_tensors
+        saved_x, trained, *statistics = ctx.saved_tensors
         norm, conv = ctx.norm, ctx.conv
+        weight = dense_weight(conv)  # built again for a compact sparse convolution
         normalized_by = None  # the recomputed norm's graph (generic path)
         if statistics:
             with torch.no_grad():
@@ -492,7 +498,7 @@ class _NormReluConvRecomputed(torch.autograd.Function):
                 wanted = [t for t, need in zip(norm_inputs, needed, strict=True) if need]
                 grads = iter(torch.autograd.grad(normalized_by, wanted, grad_normalized, allow_unused=True))
                 norm_grads = [next(grads) if need else None for need in needed]
-        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        grad_weight = None if grad_weight is None else weight_gradient(conv, "weight", grad_weight).to(trained.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(conv.bias.dtype)
         return (None, None, None, norm_grads[0], grad_weight, grad_bias, *norm_grads[1:])
 

@@ -1,87 +1,109 @@
 """SGD and Adam that train 16-bit weights without any FP32 copy (the report's sections 3.2 and 4.3).
 
-Every update is computed in FP32, one tensor at a time: the weight, its gradient and its optimizer
-state are up-cast, combined, and written back in their own dtypes, so the only FP32 memory is one
-tensor's temporaries. FP32 parameters are updated in place and give exactly the textbook results
-(``torch.optim.SGD``; fairseq's Adam, which is AdamW up to where eps enters).
+A step is a handful of multi-tensor operations, whatever the number of parameter tensors: the
+parameters of a group are split by device and dtype, and
 
-Gradients may arrive scaled by a loss scaler: ``step(grad_scale=scaler.scale)`` divides by the
-scale in FP32, so no unscaled FP16 gradient (which could underflow) is ever materialised.
+- 16-bit tensors (FP16/BF16 weights, gradients and state) go to one fused update
+  (``lowmem.kernels``): every element computed in FP32 in registers and written back in 16 bits,
+  with no FP32 temporaries (the plain-torch fallback works through 16K-element slices);
+- FP32 and FP64 tensors go through ``torch._foreach_*`` operations in place, the same arithmetic as
+  ``torch.optim.SGD`` (bit for bit) and fairseq's Adam. The update is computed inside the gradient
+  tensors, so **a step consumes the gradients** (they hold the update afterwards) and needs no
+  memory beyond them.
 
-State layout, and what the sparsity technique may do with it: every state tensor shaped like its
+Gradients may arrive scaled by a loss scaler: ``step(grad_scale=scaler.scale)`` divides by the scale
+in FP32, so no unscaled FP16 gradient (which could underflow) is ever materialised. Nothing in a
+step waits for the device (no host synchronisation).
+
+State is created with the optimizer (zeros), so the memory of the first step is that of every
+step. Layout, and what the sparsity technique may do with it: every state tensor shaped like its
 parameter (SGD's ``momentum_buffer``; Adam's ``exp_avg`` and ``exp_avg_sq``) may be zeroed at any
-positions between steps, because a stored zero is a zero moment whatever the tensor's scale. The
-0-dim ``*_log2_scale`` tensors and ``step`` must be left alone. With stochastic rounding the
-state dict also carries the rounding generator's state, so a resumed run rounds as the original.
+positions or replaced by another of the parameter's new shape between steps, because a stored zero
+is a zero moment whatever the tensor's scale. The 0-dim FP32 ``*_log2_scale`` tensors and ``step``
+must be left alone. Stochastic rounding draws counter-based random numbers (``lowmem.kernels
+.reference``): ``rounding_step`` in the state dict is all a resumed run needs to round as the
+original.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from lowmem.techniques.precision import round_to_dtype
+from lowmem import kernels
+from lowmem.kernels.reference import adam_step_size, tensor_keys
 
-# A 16-bit moment tensor is stored times 2**log2_scale, chosen so that its largest |value| lands in
-# [2**14, 2**15): the top binade in which every value still rounds to a finite FP16 (max 65504).
-# Entries down to 2**-28 of the largest then keep full precision and down to 2**-38 stay nonzero,
-# instead of flushing to zero the way unscaled FP16 moments do (the report's divergence).
-_MOMENT_TOP_EXPONENT = 15
-# Keep 2**log2_scale finite in FP32 even for an all-tiny tensor.
-_MAX_LOG2_SCALE = 126
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
 class _LowPrecisionOptimizer(torch.optim.Optimizer):
-    """What both optimizers share: FP32 views of 16-bit tensors and the write-back."""
+    """What both optimizers share: state created up front, parameters grouped by device and dtype,
+    the stochastic-rounding counter."""
 
-    def __init__(
-        self, params: Iterable, defaults: dict[str, Any], stochastic_rounding: bool, seed: int
-    ) -> None:
+    def __init__(self, params: Iterable, defaults: dict[str, Any], stochastic_rounding: bool, seed: int) -> None:
         super().__init__(params, defaults)
         self.stochastic_rounding = stochastic_rounding
-        self._generator: torch.Generator | None = None
-        if stochastic_rounding:
-            # A seeded generator of our own: data-parallel ranks then round identically and stay in
-            # sync, and the global RNG (data order, dropout) is not disturbed.
-            device = self.param_groups[0]["params"][0].device
-            self._generator = torch.Generator(device=device).manual_seed(seed)
+        self.seed = seed
+        self.rounding_step = 0  # applied steps: the counter of the stochastic-rounding stream
+        # Each parameter's index over the whole optimizer: its stochastic-rounding stream.
+        self._index = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+        for group in self.param_groups:
+            for param in group["params"]:
+                self._init_state(param, group)
 
-    def _write_weight(self, param: torch.Tensor, weight: torch.Tensor) -> None:
-        """Store the FP32 ``weight`` (from ``_as_fp32(param)``) back into ``param``."""
-        if weight is not param:
-            param.copy_(round_to_dtype(weight, param.dtype, self.stochastic_rounding, self._generator))
+    def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _by_dtype(self, group: dict[str, Any]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+        """The group's parameters that have a gradient, by (device, dtype)."""
+        split: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for param in group["params"]:
+            if param.grad is not None:
+                split.setdefault((param.device, param.dtype), []).append(param)
+        return split
+
+    def _keys(self, params: list[torch.Tensor]) -> list[int] | None:
+        """Stochastic rounding's per-tensor keys for this step, or None (round to nearest)."""
+        if not self.stochastic_rounding:
+            return None
+        keys = tensor_keys(self.seed, self.rounding_step, len(self._index))
+        return [keys[self._index[p]] for p in params]
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        if self._generator is not None:
-            state["rounding_generator"] = self._generator.get_state()
+        state["rounding_step"] = self.rounding_step
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
-        generator_state = state_dict.pop("rounding_generator", None)
+        self.rounding_step = int(state_dict.pop("rounding_step", 0))
+        state_dict.pop("rounding_generator", None)  # written by lowmem before counter-based rounding
         super().load_state_dict(state_dict)
-        if self._generator is not None and generator_state is not None:
-            self._generator.set_state(generator_state)
+        # Optimizer.load_state_dict casts floating state to the parameter's dtype; the scales are
+        # FP32 (they are small integers, so the round trip was exact).
+        for state in self.state.values():
+            for key, value in state.items():
+                if key.endswith("_log2_scale"):
+                    state[key] = value.float()
 
 
-def _as_fp32(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor itself if FP32 or wider (so updates land in place), else a temporary FP32 copy."""
-    return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
+def read_moment(state: dict[str, Any], key: str) -> torch.Tensor:
+    """Adam's moment ``key`` ("exp_avg" or "exp_avg_sq") of one parameter, in FP32 and unscaled."""
+    stored, scale = state[key], state.get(f"{key}_log2_scale")
+    return stored.float() if scale is None else torch.ldexp(stored.float(), -scale)
 
 
-def _unscaled_grad(param: torch.Tensor, grad_scale: float) -> torch.Tensor:
-    """The gradient in FP32 divided by the loss scale: a new tensor, ``param.grad`` is not changed."""
-    return _as_fp32(param.grad) / grad_scale
+def _unscale_(grads: list[torch.Tensor], grad_scale: float) -> None:
+    if grad_scale != 1.0:
+        torch._foreach_div_(grads, grad_scale)
 
 
 class LowPrecisionSGD(_LowPrecisionOptimizer):
     """SGD with (Nesterov) momentum; the momentum buffer is kept in the parameter's dtype.
 
-    Per tensor, in FP32: ``g = grad / grad_scale + weight_decay * w``; ``buf = momentum * buf + g``;
+    Per element, in FP32: ``g = grad / grad_scale + weight_decay * w``; ``buf = momentum * buf + g``;
     ``w -= lr * (g + momentum * buf)`` (Nesterov) or ``w -= lr * buf``. For FP32 parameters this is
     bit-for-bit ``torch.optim.SGD(..., nesterov=nesterov)``. ``stochastic_rounding`` applies to the
     weight's write-back (the momentum is rounded to nearest).
@@ -106,36 +128,42 @@ class LowPrecisionSGD(_LowPrecisionOptimizer):
         defaults = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay}
         super().__init__(params, defaults, stochastic_rounding, seed)
 
+    def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        if group["momentum"] != 0:
+            self.state[param]["momentum_buffer"] = torch.zeros_like(param)
+
     @torch.no_grad()
     def step(self, grad_scale: float = 1.0) -> None:
         """One update of every parameter with a gradient; ``grad_scale`` is the loss scale (a factor)."""
+        self.rounding_step += 1
         for group in self.param_groups:
-            lr, momentum = group["lr"], group["momentum"]
-            for param in group["params"]:
-                if param.grad is None:
+            lr, momentum, nesterov, decay = group["lr"], group["momentum"], group["nesterov"], group["weight_decay"]
+            for (_, dtype), params in self._by_dtype(group).items():
+                grads = [p.grad for p in params]
+                momenta = [self.state[p]["momentum_buffer"] for p in params] if momentum != 0 else []
+                if dtype in _SIXTEEN_BIT:
+                    kernels.sgd(params, grads, momenta, self._keys(params), lr=lr, momentum=momentum,
+                                nesterov=nesterov, weight_decay=decay, grad_scale=grad_scale)
                     continue
-                weight = _as_fp32(param)
-                grad = _unscaled_grad(param, grad_scale)
-                if group["weight_decay"] != 0:
-                    grad = grad.add(weight, alpha=group["weight_decay"])
-                update = grad
+                # FP32/FP64: torch.optim.SGD's arithmetic, in place in the gradients.
+                _unscale_(grads, grad_scale)
+                if decay != 0:
+                    torch._foreach_add_(grads, params, alpha=decay)
+                update = grads
                 if momentum != 0:
-                    state = self.state[param]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(param)
-                    buffer = _as_fp32(state["momentum_buffer"])
-                    buffer.mul_(momentum).add_(grad)
-                    update = grad.add(buffer, alpha=momentum) if group["nesterov"] else buffer
-                    if buffer is not state["momentum_buffer"]:
-                        state["momentum_buffer"].copy_(buffer)
-                weight.add_(update, alpha=-lr)
-                self._write_weight(param, weight)
+                    torch._foreach_mul_(momenta, momentum)
+                    torch._foreach_add_(momenta, grads)
+                    if nesterov:
+                        torch._foreach_add_(grads, momenta, alpha=momentum)
+                    else:
+                        update = momenta
+                torch._foreach_add_(params, update, alpha=-lr)
 
 
 class LowPrecisionAdam(_LowPrecisionOptimizer):
     """fairseq's Adam: bias-corrected moments, decoupled weight decay, moments in the param's dtype.
 
-    Per tensor, in FP32, at step t: ``g = grad / grad_scale``; ``m = b1 m + (1-b1) g``;
+    Per element, in FP32, at step t: ``g = grad / grad_scale``; ``m = b1 m + (1-b1) g``;
     ``v = b2 v + (1-b2) g^2``; ``w *= 1 - lr * weight_decay``;
     ``w -= lr * sqrt(1-b2^t) / (1-b1^t) * m / (sqrt(v) + eps)``.
 
@@ -162,59 +190,43 @@ class LowPrecisionAdam(_LowPrecisionOptimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults, stochastic_rounding, seed)
 
+    def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self.state[param]
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(param)
+        state["exp_avg_sq"] = torch.zeros_like(param)
+        if param.dtype in _SIXTEEN_BIT:
+            for key in ("exp_avg_log2_scale", "exp_avg_sq_log2_scale"):
+                state[key] = torch.zeros((), dtype=torch.float32, device=param.device)
+
     @torch.no_grad()
     def step(self, grad_scale: float = 1.0) -> None:
         """One update of every parameter with a gradient; ``grad_scale`` is the loss scale (a factor)."""
+        self.rounding_step += 1
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr = group["lr"]
-            for param in group["params"]:
-                if param.grad is None:
+            (beta1, beta2), lr, eps, weight_decay = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+            decay = 1 - lr * weight_decay if weight_decay != 0 else None
+            for (_, dtype), params in self._by_dtype(group).items():
+                states = [self.state[p] for p in params]
+                for state in states:
+                    state["step"] += 1
+                step_sizes = [adam_step_size(lr, beta1, beta2, state["step"]) for state in states]
+                grads = [p.grad for p in params]
+                exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+                if dtype in _SIXTEEN_BIT:
+                    scales = [(s["exp_avg_log2_scale"], s["exp_avg_sq_log2_scale"]) for s in states]
+                    kernels.adam(params, grads, exp_avgs, exp_avg_sqs, scales, step_sizes, self._keys(params),
+                                 beta1=beta1, beta2=beta2, eps=eps, decay=decay, grad_scale=grad_scale)
                     continue
-                state = self.state[param]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(param)
-                    state["exp_avg_sq"] = torch.zeros_like(param)
-                state["step"] += 1
-                grad = _unscaled_grad(param, grad_scale)
-                exp_avg = self._read_moment(state, "exp_avg")
-                exp_avg_sq = self._read_moment(state, "exp_avg_sq")
-                exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                step_size = lr * math.sqrt(1 - beta2 ** state["step"]) / (1 - beta1 ** state["step"])
-
-                weight = _as_fp32(param)
-                if group["weight_decay"] != 0:
-                    weight.mul_(1 - lr * group["weight_decay"])
-                weight.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(group["eps"]), value=-step_size)
-                self._write_moment(state, "exp_avg", exp_avg)
-                self._write_moment(state, "exp_avg_sq", exp_avg_sq)
-                self._write_weight(param, weight)
-
-    @staticmethod
-    def _read_moment(state: dict[str, Any], key: str) -> torch.Tensor:
-        """The moment in FP32: the state tensor itself if FP32, else stored / 2**log2_scale."""
-        stored = state[key]
-        if stored.dtype == torch.float32:
-            return stored
-        log2_scale = state.get(f"{key}_log2_scale")
-        if log2_scale is None:  # first step: the zeros need no scale
-            return stored.float()
-        return torch.ldexp(stored.float(), -log2_scale.float())
-
-    @staticmethod
-    def _write_moment(state: dict[str, Any], key: str, value: torch.Tensor) -> None:
-        """Store the FP32 ``value`` scaled so its max |value| sits near the top of the FP16 range.
-
-        The scale is a power of two, so scaling adds no rounding error of its own, and it is kept as
-        its (integer) exponent: ``Optimizer.load_state_dict`` casts all state to the parameter's
-        dtype, which an integer below 2**8 survives exactly even in BF16, a scale like 2**30 not.
-        """
-        stored = state[key]
-        if value is stored:
-            return  # FP32: updated in place
-        _, exponent = torch.frexp(value.abs().amax())  # max |value| in [2**(exponent-1), 2**exponent)
-        log2_scale = (_MOMENT_TOP_EXPONENT - exponent).clamp(-_MAX_LOG2_SCALE, _MAX_LOG2_SCALE).float()
-        stored.copy_(torch.ldexp(value, log2_scale))
-        state[f"{key}_log2_scale"] = log2_scale
+                # FP32/FP64: in place; the gradients end up holding the denominators.
+                _unscale_(grads, grad_scale)
+                torch._foreach_mul_(exp_avgs, beta1)
+                torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+                torch._foreach_mul_(exp_avg_sqs, beta2)
+                torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+                if decay is not None:
+                    torch._foreach_mul_(params, decay)
+                torch._foreach_copy_(grads, exp_avg_sqs)
+                torch._foreach_sqrt_(grads)
+                torch._foreach_add_(grads, eps)
+                torch._foreach_addcdiv_(params, exp_avgs, grads, [-size for size in step_sizes])

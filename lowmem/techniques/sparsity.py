@@ -10,9 +10,12 @@ It needs no trainer::
         optimizer.step()           # if the step is skipped (FP16 overflow), skip the next line too
         sparsity.after_optimizer_step(optimizer, epoch)
 
-Sparsity is simulated: weights stay dense tensors holding exact zeros outside a bool mask. The
-weights, their gradients and the optimizer state share one sparsity pattern, because gradients are
-masked and the optimizer state is reset wherever a weight is inactive or has just been regrown.
+By default a sparse weight is stored compactly (its active values and their positions,
+``lowmem.techniques.compact``), so the weights, their gradients and the optimizer state exist for
+the active entries only. ``storage="masked"`` keeps the report's simulation instead: dense weights
+holding exact zeros outside a bool mask, gradients masked, optimizer state reset wherever a weight
+is inactive or has just been regrown. Either way the weights, their gradients and the optimizer
+state share one sparsity pattern.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lowmem.techniques.compact import CompactWeights
+
+# How sparse weights are stored (see DynamicSparsity) and how they are initialised.
+STORAGES = ("compact", "masked")
+INITS = ("he_normal", "model")
 # DSR's WRN setting (20,000 of the 1,451,520 sparsifiable weights per rewiring), as a fraction.
 DEFAULT_REWIRE_FRACTION = 0.01377866
 # The threshold moves by this factor when a rewiring prunes more than 10% off its target.
@@ -146,23 +154,50 @@ def reset_optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor,
             value.masked_fill_(where.to(value.device), 0)
 
 
+def remap_optimizer_state(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, kept_from: torch.Tensor, kept_to: torch.Tensor, size: int
+) -> None:
+    """Compact storage's rewiring: every state tensor of ``param`` shaped like it (1-D, its old active
+    count) becomes a new tensor of ``size`` entries holding the old entries ``kept_from`` at
+    ``kept_to`` and zeros elsewhere (regrown entries start with no momentum)."""
+    state = optimizer.state.get(param, {})
+    for key, value in list(state.items()):
+        if isinstance(value, torch.Tensor) and value.shape == param.shape:
+            moved = value.new_zeros(size)
+            moved[kept_to] = value[kept_from]
+            state[key] = moved
+
+
 class DynamicSparsity:
     """DSR over the weights ``weight_names`` of ``model``, all at the same ``density``.
 
-    State: a bool mask per weight (``masks``), one global pruning threshold (``threshold``), the
+    State: which entries of each weight are active, one global pruning threshold (``threshold``), the
     number of applied updates (``step_count``) and a seeded CPU generator, so that every
     data-parallel rank with the same seed draws the same masks.
 
-    ``density`` is the fraction of active weights per layer (1.0 = dense: the masks are all True and
-    rewiring never happens, since there would be no free position to regrow into). Attaching
-    re-initialises the sparse weights He-normal (not rescaled for density) from that generator and
-    zeroes the inactive ones. ``rewire_fraction · fraction_mult`` of all sparsifiable weights is the
-    number N_p each rewiring aims to prune; ``freq_mult`` divides the schedule's periods.
+    ``storage`` says how a sparse weight is held:
+
+    - ``"compact"`` (default): its active values and their positions only
+      (``lowmem.techniques.compact``): the dense weight exists only while its layer computes, and
+      gradients and optimizer state exist for the active entries only. The dense parameter
+      ``<name>`` of the model becomes ``<name>_values`` (trained) and ``<name>_positions``.
+    - ``"masked"``: the report's simulation, a dense weight holding exact zeros outside a bool
+      mask; gradients are masked after backward (``mask_gradients``).
+
+    Both make the same random draws and, in exact arithmetic, train the same weights.
+
+    ``density`` is the fraction of active weights per layer (1.0 = dense: every entry is active and
+    rewiring never happens, since there would be no free position to regrow into). ``init``:
+    ``"he_normal"`` re-initialises the sparse weights He-normal (not rescaled for density) from the
+    generator, the WRN rule of DSR; ``"model"`` keeps the model's own initialisation. Inactive
+    entries are zero either way. ``rewire_fraction · fraction_mult`` of all sparsifiable weights is
+    the number N_p each rewiring aims to prune; ``freq_mult`` divides the schedule's periods.
 
     Order within one training step: backward (all microbatches) → ``mask_gradients`` → overflow
     check / unscale / clip → ``optimizer.step`` → ``after_optimizer_step`` (only if the step was
-    applied). To resume, construct as usual, then ``load_state_dict`` (and the model's and the
-    optimizer's state dicts, in any order).
+    applied). Attach after the model's final precision cast (values are stored in the weights'
+    dtype). To resume: construct as usual, ``load_state_dict``, then the model's and the
+    optimizer's state dicts (compact storage: the model's last, it holds the positions).
     """
 
     def __init__(
@@ -177,88 +212,120 @@ class DynamicSparsity:
         freq_mult: float = 1.0,
         init_threshold: float = 1e-3,
         seed: int = 0,
+        storage: str = "compact",
+        init: str = "he_normal",
     ) -> None:
         _check_positive("sparsity.density", density, "in (0, 1]", upper=1.0)
         _check_positive("sparsity.rewire_fraction", rewire_fraction, "in (0, 1]", upper=1.0)
         _check_positive("sparsity.rewire_fraction_mult", fraction_mult, "> 0")
         _check_positive("sparsity.rewire_freq_mult", freq_mult, "> 0")
         _check_positive("sparsity.init_threshold", init_threshold, "> 0")
+        if storage not in STORAGES:
+            raise ValueError(f"sparsity.storage={storage!r} is unknown; allowed: {', '.join(STORAGES)}")
+        if init not in INITS:
+            raise ValueError(f"sparsity init={init!r} is unknown; allowed: {', '.join(INITS)}")
         self.model = model
         self.schedule = schedule
+        self.storage = storage
         self.density = float(density)
         self.fraction_mult = float(fraction_mult)
         self.freq_mult = float(freq_mult)
         self.threshold = float(init_threshold)
         self.step_count = 0
         self._names = _resolve_weights(model, weight_names)
+        self._shapes = {name: model.get_parameter(name).shape for name in self._names}
         self._generator = torch.Generator().manual_seed(seed)
         # N_p: how many weights each rewiring aims to prune.
         self.target_pruned = rewire_fraction * fraction_mult * self.numel()
-        self.masks: dict[str, torch.Tensor] = {}
+        masks: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for name, weight in self._weights():
-                self.masks[name] = self._random_mask(name, weight)
-                self._he_normal_(weight)
-        self.apply_masks()
+            for name in self._names:
+                weight = model.get_parameter(name)
+                masks[name] = self._random_mask(name, weight)
+                if init == "he_normal":
+                    self._he_normal_(weight)
+                weight.mul_(masks[name])
+        # Masked storage keeps the *inactive* masks: gradients are masked in place with no new tensor.
+        self._inactive: dict[str, torch.Tensor] = {}
+        self.compact: CompactWeights | None = None
+        if storage == "compact":
+            self.compact = CompactWeights(model, self._names, masks)
+        else:
+            self._inactive = {name: mask.logical_not() for name, mask in masks.items()}
 
     # ----------------------------------------------------------------------------------- queries
     def sparse_weight_names(self) -> list[str]:
-        """Names of the sparse weights, in the order given."""
+        """Names of the sparse weights (as the dense model names them), in the order given."""
         return list(self._names)
 
     def numel(self) -> int:
         """Number of sparsifiable weights (active or not)."""
-        return sum(self.model.get_parameter(name).numel() for name in self._names)
+        return sum(math.prod(shape) for shape in self._shapes.values())
+
+    @property
+    def masks(self) -> dict[str, torch.Tensor]:
+        """Active entries per weight, as new dense bool tensors (for inspection and tests: the
+        training path never builds them)."""
+        if self.compact is not None:
+            return {name: self.compact.mask(name) for name in self._names}
+        return {name: inactive.logical_not() for name, inactive in self._inactive.items()}
+
+    def dense_weight(self, name: str) -> torch.Tensor:
+        """Weight ``name`` as a dense tensor (compact storage: a new one)."""
+        return self.compact.dense(name) if self.compact is not None else self.model.get_parameter(name)
+
+    def trained_parameters(self) -> dict[str, tuple[torch.Size, int]]:
+        """The parameter that holds each sparse weight, by its name in ``model.named_parameters()``
+        (``<name>_values`` in compact storage, ``<name>`` masked), with the weight's dense shape and
+        its number of active entries: what the accounting counts as CSR."""
+        counts = self._active_counts()
+        suffix = "_values" if self.compact is not None else ""
+        return {name + suffix: (self._shapes[name], count) for name, count in zip(self._names, counts, strict=True)}
 
     def nonzero_count(self) -> int:
-        """Number of active weights (mask True). Just-regrown weights are active but still 0."""
-        return sum(int(mask.count_nonzero()) for mask in self.masks.values())
+        """Number of active weights. Just-regrown weights are active but still 0."""
+        return sum(self._active_counts())
 
     def mask_checksum(self) -> int:
-        """An exact fingerprint of the masks (sum of active flat positions, layer-weighted): data-parallel
-        ranks compare it after every rewiring."""
-        total = 0
-        for layer, mask in enumerate(self.masks.values(), start=1):
-            total += layer * int(mask.flatten().nonzero().sum())
-        return total
+        """An exact fingerprint of the active positions (sum of active flat positions, layer-weighted):
+        data-parallel ranks compare it after every rewiring."""
+        sums = [positions.sum(dtype=torch.int64) * layer for layer, positions in enumerate(self._positions(), start=1)]
+        return int(torch.stack(sums).sum())
 
     def layer_density(self) -> dict[str, float]:
         """Fraction of active weights per layer."""
-        return {name: int(mask.count_nonzero()) / mask.numel() for name, mask in self.masks.items()}
+        return {
+            name: count / math.prod(self._shapes[name])
+            for name, count in zip(self._names, self._active_counts(), strict=True)
+        }
 
     # ---------------------------------------------------------------------------------- masking
     @torch.no_grad()
-    def apply_masks(self) -> None:
-        """Set inactive weights to 0 (weights *= mask)."""
-        # A multiply (several times faster than masked_fill on CPU) suffices: weights are finite, and
-        # only gradients, masked with masked_fill, can hold NaN/inf.
-        for name, weight in self._weights():
-            weight.mul_(self._mask(name, weight))
-
-    @torch.no_grad()
     def mask_gradients(self) -> None:
-        """Zero gradients at inactive positions, in place (NaN/inf there vanish too).
+        """Masked storage: zero gradients at inactive positions, in place (NaN/inf there vanish too).
+        Compact storage has no inactive positions: nothing to do.
 
         Call between backward and the optimizer step, before any overflow check, so a NaN at an
         inactive position cannot make a loss scaler skip the step.
         """
-        for name, weight in self._weights():
+        for name in self._inactive:
+            weight = self.model.get_parameter(name)
             if weight.grad is not None:
-                weight.grad.masked_fill_(self._mask(name, weight).logical_not(), 0)
+                weight.grad.masked_fill_(self._on_device(name, weight), 0)
 
     # --------------------------------------------------------------------------------- rewiring
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer, epoch: float) -> dict | None:
-        """Count one applied update, re-apply the masks and rewire if the schedule says so.
+        """Count one applied update and rewire if the schedule says so.
 
         Call once per *applied* optimizer step (never after a skipped one, never per microbatch),
         on every data-parallel rank. ``epoch`` is the epoch this update belongs to, fractional allowed
         (epoch index + batches done before it / batches per epoch); only "epoch" schedules read it,
         and it is not rescaled. Returns the rewiring diagnostics (see ``rewire``) or ``None``.
+
+        Nothing is re-masked: an inactive weight has a zero gradient and zero optimizer state, so
+        SGD and Adam (weight decay included) leave it exactly zero.
         """
         self.step_count += 1
-        # Weight decay and momentum cannot revive inactive weights (their gradients and momentum
-        # are 0), but re-masking costs little and holds even for optimizers that would.
-        self.apply_masks()
         period = self.schedule.period(self.step_count, epoch, self.freq_mult)
         if period is None or self.step_count % period != 0 or self.density == 1.0:
             return None
@@ -272,21 +339,14 @@ class DynamicSparsity:
         Returns ``{"rewire_step", "pruned" (K), "regrown", "target" (N_p), "threshold" (H used),
         "next_threshold", "density", "layer_density"}``.
         """
-        names = list(self._names)
-        weights = [weight for _, weight in self._weights()]
-        masks = [self._mask(name, weight) for name, weight in zip(names, weights, strict=True)]
+        actives = [self._active(name) for name in self._names]  # (flat positions, values) per weight
         # 1. Global magnitude prune. Compare in FP32 so FP16/BF16 weights meet the same threshold.
-        prune = [
-            mask & (weight.abs().float() < self.threshold)
-            for weight, mask in zip(weights, masks, strict=True)
-        ]
-        counts = torch.stack(
-            [torch.stack([m.count_nonzero() for m in masks]), torch.stack([p.count_nonzero() for p in prune])]
-        )
-        active, pruned = counts.tolist()  # one device sync for all counts
-        for i, (weight, mask) in enumerate(zip(weights, masks, strict=True)):
+        keep = [values.abs().float() >= self.threshold for _, values in actives]
+        pruned = torch.stack([k.logical_not().sum() for k in keep]).tolist()  # one device sync for all
+        active = [len(values) for _, values in actives]
+        for i, (_, values) in enumerate(actives):
             if active[i] > 0 and pruned[i] == active[i]:  # the layer would vanish: keep its largest weight
-                prune[i].view(-1)[torch.where(mask, weight.abs().float(), -1.0).argmax()] = False
+                keep[i][values.abs().float().argmax()] = True
                 pruned[i] -= 1
         total_pruned = sum(pruned)
 
@@ -295,19 +355,18 @@ class DynamicSparsity:
         quotas = split_regrowth(
             total_pruned,
             survivors=[a - p for a, p in zip(active, pruned, strict=True)],
-            free=[weight.numel() - a for weight, a in zip(weights, active, strict=True)],
+            free=[math.prod(self._shapes[name]) - a for name, a in zip(self._names, active, strict=True)],
             generator=self._generator,
         )
-        for name, weight, mask, pruned_here, quota in zip(names, weights, masks, prune, quotas, strict=True):
-            survivors = mask & pruned_here.logical_not()
-            new_mask = survivors.clone()
-            if quota > 0:
-                new_mask.view(-1)[sample_inactive(mask, quota, self._generator)] = True
-            # New weights start at 0; 3. reset optimizer state wherever the weight is inactive or new.
-            weight.mul_(survivors)
-            if optimizer is not None:
-                reset_optimizer_state(optimizer, weight, survivors.logical_not())
-            self.masks[name] = new_mask
+        regrown = []
+        for name, (positions, _), quota in zip(self._names, actives, quotas, strict=True):
+            mask = self._dense_mask(name, positions)
+            regrown.append(sample_inactive(mask, quota, self._generator) if quota > 0 else positions[:0])
+        # New weights start at 0; 3. optimizer state is reset wherever the weight is inactive or new.
+        if self.compact is not None:
+            self._commit_compact(actives, keep, regrown, optimizer)
+        else:
+            self._commit_masked(actives, keep, regrown, optimizer)
 
         # 4. Adapt H for the next rewiring only.
         used = self.threshold
@@ -326,47 +385,122 @@ class DynamicSparsity:
             "layer_density": self.layer_density(),
         }
 
+    def _commit_masked(self, actives, keep, regrown, optimizer) -> None:
+        for name, (positions, _), kept, new in zip(self._names, actives, keep, regrown, strict=True):
+            weight = self.model.get_parameter(name)
+            inactive = self._on_device(name, weight)
+            pruned_here = positions[kept.logical_not()]
+            inactive.view(-1)[pruned_here] = True  # now: inactive after pruning, before regrowth
+            weight.view(-1)[pruned_here] = 0
+            if optimizer is not None:
+                reset_optimizer_state(optimizer, weight, inactive)  # inactive and (still) the regrown
+            inactive.view(-1)[new] = False
+
+    def _commit_compact(self, actives, keep, regrown, optimizer) -> None:
+        layers = {}
+        for name, (positions, values), kept, new in zip(self._names, actives, keep, regrown, strict=True):
+            kept_from = kept.nonzero().squeeze(1)
+            merged, order = torch.cat([positions[kept_from].long(), new.long()]).sort()
+            layers[name] = (merged, torch.cat([values[kept_from], values.new_zeros(len(new))])[order])
+            if optimizer is not None:
+                where = torch.empty_like(order)
+                where[order] = torch.arange(len(order), device=order.device)
+                param, _ = self.compact.layer(name)
+                remap_optimizer_state(optimizer, param, kept_from, where[: len(kept_from)], len(order))
+        self.compact.relayout(layers)
+        for name in self._names:  # the step's gradients belong to the old layout
+            self.compact.layer(name)[0].grad = None
+
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """Masks (CPU bool tensors), threshold, update count and generator state; plain types only,
-        so ``torch.load(..., weights_only=True)`` reads it back."""
-        return {
-            "masks": {name: mask.cpu() for name, mask in self.masks.items()},
+        """Storage, which entries are active (masked: the masks as CPU bool tensors; compact: the
+        count per weight, the positions being in the model's state dict), threshold, update count and
+        generator state; plain types only, so ``torch.load(..., weights_only=True)`` reads it back."""
+        state = {
+            "storage": self.storage,
             "threshold": self.threshold,
             "step_count": self.step_count,
             "generator": self._generator.get_state(),
         }
+        if self.compact is not None:
+            state["counts"] = dict(zip(self._names, self.compact.counts, strict=True))
+        else:
+            state["masks"] = {name: inactive.logical_not().cpu() for name, inactive in self._inactive.items()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()`` output and re-apply the masks to the current weights."""
-        if set(state["masks"]) != set(self._names):
+        """Restore ``state_dict()`` output. Compact storage: this lays the weights out for the saved
+        active counts; load the model's state dict afterwards (it holds the values and positions)."""
+        storage = state.get("storage", "masked")
+        if storage != self.storage:
+            raise ValueError(f"sparsity checkpoint uses sparsity.storage={storage}; this run uses {self.storage}")
+        saved = state["counts"] if storage == "compact" else state["masks"]
+        if set(saved) != set(self._names):
             raise ValueError(
-                f"sparsity checkpoint holds masks for {sorted(state['masks'])}, "
+                f"sparsity checkpoint holds weights {sorted(saved)}, "
                 f"but this model's sparse weights are {sorted(self._names)}"
             )
-        for name, weight in self._weights():
-            mask = state["masks"][name]
-            if mask.shape != weight.shape or mask.dtype != torch.bool:
+        if self.compact is not None:
+            total = sum(int(count) for count in saved.values())
+            if total != self.compact.capacity:
                 raise ValueError(
-                    f"sparsity checkpoint: mask {name} is {mask.dtype} {tuple(mask.shape)}, "
-                    f"expected torch.bool {tuple(weight.shape)}"
+                    f"sparsity checkpoint holds {total:,} active weights, this model holds {self.compact.capacity:,} "
+                    f"(sparsity.density={self.density}): resume with the checkpoint's sparsity.density"
                 )
-            self.masks[name] = mask.to(weight.device)
+            device = self.compact.positions.device
+            self.compact.relayout(
+                {
+                    name: (torch.zeros(int(saved[name]), dtype=torch.int32, device=device),
+                           self.compact.values.new_zeros(int(saved[name])))
+                    for name in self._names
+                }
+            )
+        else:
+            for name in self._names:
+                mask = saved[name]
+                if mask.shape != self._shapes[name] or mask.dtype != torch.bool:
+                    raise ValueError(
+                        f"sparsity checkpoint: mask {name} is {mask.dtype} {tuple(mask.shape)}, "
+                        f"expected torch.bool {tuple(self._shapes[name])}"
+                    )
+                weight = self.model.get_parameter(name)
+                self._inactive[name] = mask.logical_not().to(weight.device)
+                with torch.no_grad():
+                    weight.masked_fill_(self._inactive[name], 0)
         self.threshold = float(state["threshold"])
         self.step_count = int(state["step_count"])
         self._generator.set_state(state["generator"])
-        self.apply_masks()
 
     # --------------------------------------------------------------------------------- helpers
-    def _weights(self) -> list[tuple[str, nn.Parameter]]:
-        # Looked up by name each time, so moving or casting the model after attaching is fine.
-        return [(name, self.model.get_parameter(name)) for name in self._names]
+    def _active(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat positions (increasing) and values of the active entries of weight ``name``."""
+        if self.compact is not None:
+            values, positions = self.compact.layer(name)
+            return positions, values.detach()
+        weight = self.model.get_parameter(name)
+        positions = self._on_device(name, weight).view(-1).logical_not().nonzero().squeeze(1)
+        return positions, weight.detach().view(-1)[positions]
 
-    def _mask(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        mask = self.masks[name]
-        if mask.device != weight.device:  # the model moved after attaching
-            mask = self.masks[name] = mask.to(weight.device)
-        return mask
+    def _positions(self) -> list[torch.Tensor]:
+        return [self._active(name)[0] for name in self._names]
+
+    def _active_counts(self) -> list[int]:
+        if self.compact is not None:
+            return list(self.compact.counts)
+        sizes = torch.stack([inactive.logical_not().sum() for inactive in self._inactive.values()])
+        return sizes.tolist()
+
+    def _dense_mask(self, name: str, positions: torch.Tensor) -> torch.Tensor:
+        """A dense bool of the active entries (masked storage: built from its inactive mask)."""
+        if self.compact is not None:
+            return self.compact.mask(name)
+        return self._inactive[name].logical_not()
+
+    def _on_device(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        inactive = self._inactive[name]
+        if inactive.device != weight.device:  # the model moved after attaching
+            inactive = self._inactive[name] = inactive.to(weight.device)
+        return inactive
 
     def _random_mask(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """A mask with exactly round(density · numel) True entries at uniformly random positions."""
@@ -383,7 +517,8 @@ class DynamicSparsity:
     def _he_normal_(self, weight: torch.Tensor) -> None:
         """He-normal init: N(0, 2/fan_in), fan_in = elements per output row (ci·k1·k2 for a conv).
 
-        Drawn from the seeded CPU generator (then cast), so every rank and device gets the same values.
+        Drawn in FP32 from the seeded CPU generator (then cast), so every rank, device and precision
+        gets the same values.
         """
         std = math.sqrt(2.0 / weight[0].numel())
         weight.copy_(torch.randn(weight.shape, generator=self._generator) * std)

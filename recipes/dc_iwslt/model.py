@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowmem.residual import run_residual_blocks
+from lowmem.techniques import compact
 from recipes.dc_iwslt.ops import LayerNorm, Ops, ops_named
 
 # fairseq's kernel-size schedule: layer i uses _KERNEL_SCHEDULE[min(i, 3)] (3, 7, 15, 31, 31, ...).
@@ -449,7 +450,7 @@ class Decoder(_Embedder):
         """Teacher forcing: prev_output_tokens [B, T] (right-padded) -> logits [B, T, V_tgt]."""
         x = self.embed(prev_output_tokens, self.positions(prev_output_tokens))
         x = run_residual_blocks(self, x, encoder_out.out, encoder_out.padding_mask)
-        return F.linear(x.transpose(0, 1), self.embed_out)
+        return compact.linear(self, "embed_out", x.transpose(0, 1))
 
     def init_state(self, encoder_out: EncoderOutput) -> DecoderState:
         """State before the first target token; computes each layer's attention keys/values once."""
@@ -470,7 +471,7 @@ class Decoder(_Embedder):
         for layer, cache in zip(self.layers, state.layers, strict=True):
             x = layer(x, None, state.encoder_padding_mask, cache=cache)
         state.steps += 1
-        return F.linear(x[0], self.embed_out)
+        return compact.linear(self, "embed_out", x[0])
 
 
 class DynamicConvModel(nn.Module):

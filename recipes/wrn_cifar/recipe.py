@@ -59,6 +59,7 @@ class WRNCifarRecipe:
     name = "wrn_cifar"
     data_names = ("digits", "cifar10", "fake")
     primary_metric = "test_acc"
+    sparse_init = "he_normal"  # DSR's WRN rule (SPEC §5): sparse convs re-drawn He-normal, not rescaled
 
     def build_model(self, cfg) -> nn.Module:
         m = model_config(cfg)
