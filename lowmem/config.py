@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -30,7 +31,8 @@ class DataConfig:
     name: str = MISSING  # chosen with `data=<name>`; each recipe lists the names it accepts
     root: str = "data"  # where real data sets are read from / downloaded to
     batch_size: int = 100  # minibatch: examples (vision) or target tokens (translation)
-    eval_batch_size: int = 500  # examples (vision) or tokens (translation) per evaluation batch
+    eval_batch_size: int = 500  # examples/tokens per evaluation batch (at most microbatch.size when set)
+    device: str = "auto"  # auto: the data set lives on the training device | cpu: in (pinned) host memory
     train_size: int | None = None  # generated data only: number of training examples
     test_size: int | None = None  # generated data only: number of test examples
     src_lang: str = "de"
@@ -146,6 +148,19 @@ def _require(condition: bool, knob: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{knob}={value!r} is not allowed: {allowed}")
 
 
+def evaluation_batch_size(cfg: DictConfig | Config) -> int:
+    """Examples (tokens) per evaluation batch: ``data.eval_batch_size``, but no more than a training
+    microbatch when microbatching is on, so that evaluation never needs more memory than training."""
+    if cfg.microbatch.size is None:
+        return cfg.data.eval_batch_size
+    return min(cfg.data.eval_batch_size, cfg.microbatch.size)
+
+
+def data_device(cfg: DictConfig | Config, device: torch.device) -> torch.device:
+    """Where the data set lives: the training ``device`` (``data.device=auto``) or host memory (``cpu``)."""
+    return device if cfg.data.device == "auto" else torch.device("cpu")
+
+
 def microbatch_mode(cfg: DictConfig | Config) -> str:
     """``microbatch.mode`` normalised to "true" or "simulated" (Hydra parses `true` as a bool)."""
     mode = cfg.microbatch.mode
@@ -161,6 +176,7 @@ def validate(cfg: DictConfig | Config) -> None:
         raise ConfigError("no recipe chosen: add +recipe=wrn_cifar or +recipe=dc_iwslt")
     _require(cfg.data.batch_size > 0, "data.batch_size", cfg.data.batch_size, "must be a positive integer")
     _require(cfg.data.eval_batch_size > 0, "data.eval_batch_size", cfg.data.eval_batch_size, "must be > 0")
+    _require(cfg.data.device in ("auto", "cpu"), "data.device", cfg.data.device, "one of auto, cpu")
     _require(cfg.trainer.epochs > 0, "trainer.epochs", cfg.trainer.epochs, "must be a positive integer")
     _require(
         cfg.trainer.max_steps is None or cfg.trainer.max_steps > 0,

@@ -43,6 +43,7 @@ class RecipeData:
     train: TrainBatches
     test: Any  # whatever the recipe's ``evaluate`` reads
     description: str  # one line for the log: data set, sizes
+    resident: tuple[torch.Tensor, ...] = ()  # the data set's tensors kept on the device (measured peak: "data")
 
 
 class Recipe(Protocol):

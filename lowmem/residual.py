@@ -65,8 +65,16 @@ def run_residual_blocks(stack: nn.Module, x: torch.Tensor, *context) -> torch.Te
 
 
 def plain_norm_relu_conv(norm: nn.Module, conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``conv(relu(norm(x)))`` with every intermediate kept by autograd."""
-    return conv(F.relu(norm(x)))
+    """``conv(relu(norm(x)))`` with every intermediate kept by autograd; without autograd (evaluation,
+    recomputation) the ReLU is applied in place, so the norm's output is the only intermediate."""
+    return conv(relu_of_norm(norm(x), x))
+
+
+def relu_of_norm(normalized: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``relu(normalized)``, in place when autograd is off and ``normalized`` (a norm's output) does not
+    share ``x``'s storage: no second activation-sized tensor."""
+    shares = torch._C._is_alias_of(normalized, x)  # storage identity, fake tensors included
+    return F.relu(normalized, inplace=not torch.is_grad_enabled() and not shares)
 
 
 def norm_relu_conv(block: nn.Module, norm: nn.Module, conv: nn.Module, x: torch.Tensor) -> torch.Tensor:

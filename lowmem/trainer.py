@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from lowmem import distributed
 from lowmem.config import ConfigError, microbatch_mode, validate
@@ -195,14 +196,14 @@ class Trainer:
         progress = Progress(cfg.trainer.progress, cfg.trainer.log_every, enabled=rank0)
         max_steps = cfg.trainer.max_steps
         recorded = [r["peak_bytes"] for r in state.history if r.get("peak_bytes") is not None]
-        peak = PeakTracker(self.device, previous=max(recorded, default=None))
+        peak = PeakTracker(self, previous=max(recorded, default=None))
         train = self.data.train
         try:
             while state.epoch < cfg.trainer.epochs and not _done(state, max_steps):
                 progress.start_epoch(state.epoch, len(train), state.batch_in_epoch)
                 started = time.perf_counter()
                 for batch in train.epoch(state.epoch, state.batch_in_epoch):
-                    with fast_cpu_half_kernels(self.policy, self.device), peak.track():
+                    with fast_cpu_half_kernels(self.policy, self.device), peak.track("step", batch):
                         record = self.train_step(batch)
                     state.step += 1
                     state.batch_in_epoch += 1
@@ -215,7 +216,8 @@ class Trainer:
                         break
                 state.train_seconds += time.perf_counter() - started
                 epoch_finished = state.batch_in_epoch >= len(train)
-                evaluation = self.evaluate()
+                with fast_cpu_half_kernels(self.policy, self.device), peak.track("evaluation"):
+                    evaluation = self.evaluate()
                 metric = evaluation[self.recipe.primary_metric]
                 state.best_metric = metric if state.best_metric is None else self._better(state.best_metric, metric)
                 state.final_metric = metric
@@ -241,7 +243,9 @@ class Trainer:
                 if rank0:
                     save_torch(self.checkpoint_state(), run_dir / CHECKPOINT)
                     self._save_snapshot(run_dir)
+            # The peak is read before the final scoring below (averaged snapshots on a dense copy).
             result = self.result(peak.peak_bytes)
+            result["peak_scope"] = peak.scope
             result["memory"] = accounting
             # Recipes whose final score needs more than the per-epoch evaluation (BLEU of averaged
             # snapshots, for translation) compute it here.
@@ -343,34 +347,49 @@ def _done(state: TrainState, max_steps: int | None) -> bool:
 
 
 class PeakTracker:
-    """Measured allocator peak of training steps (bytes). CUDA: the allocator's own counter over
-    every step; CPU: the first step this process runs is measured with lowmem.profiler's tracker (it
-    slows the step). ``previous``: the peak a resumed run had measured before this process; the
-    run's peak is the larger of the two."""
+    """The measured peak of a run (bytes): training steps and evaluations alike, on every device.
 
-    def __init__(self, device: torch.device, previous: int | None = None) -> None:
-        self.device, self.previous = device, previous
-        self.measured: int | None = None
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+    CUDA: the allocator's ``max_memory_allocated`` since this process started training (every step
+    and every evaluation). CPU, where the allocator keeps no statistics: lowmem's tensor tracker
+    over the first training step and the first evaluation of this process (tracking slows what it
+    measures, and later steps repeat the first). ``previous``: the peak a resumed run had measured
+    before this process; the run's peak is the larger of the two. ``model``, ``optimizer`` and
+    ``data`` let the tracker tell what it sees (it counts every tensor alive either way).
+    """
+
+    SCOPE = {
+        "cuda": "cuda allocator: every training step and evaluation",
+        "cpu": "cpu tensor tracker: the first training step and the first evaluation",
+    }
+
+    def __init__(self, trainer: Trainer, previous: int | None = None) -> None:
+        self.trainer, self.device, self.previous = trainer, trainer.device, previous
+        self.measured: dict[str, int] = {}  # CPU: "step" / "evaluation" -> tracked peak
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     @property
     def peak_bytes(self) -> int | None:
-        known = [value for value in (self.previous, self.measured) if value is not None]
+        known = [value for value in (self.previous, *self.measured.values()) if value is not None]
+        if self.device.type == "cuda":
+            known.append(int(torch.cuda.max_memory_allocated(self.device)))
         return max(known) if known else None
 
+    @property
+    def scope(self) -> str:
+        return self.SCOPE.get(self.device.type, self.SCOPE["cpu"])
+
     @contextmanager
-    def track(self) -> Iterator[None]:
-        """Measure one training step: on CUDA every step, on CPU the first of this process."""
-        if self.device.type == "cuda":
+    def track(self, what: str, batch: Any = None) -> Iterator[None]:
+        """Measure a training step (``what="step"``) or an evaluation (``"evaluation"``)."""
+        if self.device.type == "cuda" or what in self.measured:
             yield
-            self.measured = int(torch.cuda.max_memory_allocated(self.device))
-        elif self.measured is not None:
+            return
+        trainer = self.trainer
+        data = [*trainer.data.resident, *tree_leaves(batch)]
+        with track_peak(trainer.unwrapped_model, trainer.optimizer, self.device, data) as tracker:
             yield
-        else:
-            with track_peak(device=self.device) as tracker:
-                yield
-            self.measured = tracker.peak_bytes
+        self.measured[what] = tracker.peak_bytes
 
 
 def _build_optimizer(optim_cfg, params: list[nn.Parameter], lr: float, policy: PrecisionPolicy):

@@ -480,10 +480,14 @@ def test_measured_peak_sees_a_step_allocation_and_categorises_state():
         del buffer
         optimizer.step()
 
-    peak = measure_peak(train_step, model, optimizer)
+    peak = measure_peak(train_step, model, optimizer, data=(inputs, labels))
     assert peak.source == "cpu tensor tracker"
     assert peak.peak_bytes >= peak.start_bytes + scratch
-    assert peak.breakdown["parameters"] == sum(p.numel() for p in model.parameters()) * F32
+    assert peak.breakdown["data"] == inputs.nbytes + labels.nbytes
+    # Parameters and buffers (BatchNorm statistics: model state, not "other").
+    state = [*model.parameters(), *model.buffers()]
+    assert peak.breakdown["parameters"] == sum(t.numel() * t.element_size() for t in state)
+    assert peak.breakdown["other"] == 0  # everything alive at the start was named
     assert peak.location == "step: empty"  # the scratch buffer, between backward and the update
     # The second step starts with gradients and momentum alive.
     again = measure_peak(train_step, model, optimizer)

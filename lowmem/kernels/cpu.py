@@ -80,7 +80,7 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or str(error)
-        log.warning("lowmem's CPU kernels could not be built (%s); using the slower torch fallback", detail.strip()[:300])
+        log.warning("lowmem's CPU kernels could not be built (%s); using the torch fallback", detail.strip()[:300])
         return None
     for name, argtypes in _SIGNATURES.items():
         function = getattr(lib, name)

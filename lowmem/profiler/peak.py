@@ -27,14 +27,23 @@ from torch.utils.flop_counter import FlopCounterMode
 from lowmem.profiler.activations import storage_key
 from lowmem.techniques.precision import CpuHalfConvolutionBackward
 
-# Categories of the breakdown, in display order.
+# Categories of the breakdown, in display order:
+# - data: the data set resident on the device and the minibatch being trained on;
+# - workspaces: allocator memory no tensor accounts for (CUDA: cuBLAS/cuDNN workspaces, kernel
+#   scratch), sampled at the tracker's peak; CPU kernels' scratch is invisible (always 0);
+# - parameters: parameters and buffers (BatchNorm statistics, compact sparse positions);
+# - gradients, optimizer_state, saved_activations (what autograd holds for backward);
+# - temporary: everything else the step creates (unsaved outputs, activation gradients, scratch);
+# - other: tensors alive at the start that are none of the above.
 PEAK_CATEGORIES = (
+    "data",
+    "workspaces",
     "parameters",
     "gradients",
     "optimizer_state",
     "saved_activations",
-    "other_state",
     "temporary",
+    "other",
 )
 
 
@@ -58,11 +67,13 @@ class _Storage:
 class AllocationTracker(TorchDispatchMode):
     """Context manager tracking live tensor storages on ``device`` and their peak (bytes).
 
-    model, optimizer: name what lives at the start (parameters, gradients, optimizer state) and
-    let the tracker recategorise storages as the step creates gradients and optimizer state.
-    Storages autograd saves for backward become ``saved_activations``; everything else created
-    during the step is ``temporary`` (unsaved forward outputs, activation gradients, scratch).
-    Tensors alive at the start that are none of these (buffers, masks, data) are ``other_state``.
+    model, optimizer, data: name what lives at the start (parameters and buffers, gradients,
+    optimizer state, the data set and minibatch) and let the tracker recategorise storages as the
+    step creates gradients and optimizer state. Storages autograd saves for backward become
+    ``saved_activations``; everything else created during the step is ``temporary`` (unsaved
+    forward outputs, activation gradients, scratch). Tensors alive at the start that are none of
+    these are ``other``. On CUDA the allocator memory no tensor accounts for at the peak is
+    ``workspaces``. See ``PEAK_CATEGORIES``.
     """
 
     def __init__(
@@ -70,9 +81,11 @@ class AllocationTracker(TorchDispatchMode):
         device: torch.device | str = "cpu",
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        data: Iterable[torch.Tensor] = (),
     ) -> None:
         super().__init__()
         self.device, self.model, self.optimizer = torch.device(device), model, optimizer
+        self.data = [t for t in data if isinstance(t, torch.Tensor)]
         self.live = dict.fromkeys(PEAK_CATEGORIES, 0)
         self.peak_bytes = self.start_bytes = 0
         self.breakdown: dict[str, int] = {}
@@ -119,6 +132,9 @@ class AllocationTracker(TorchDispatchMode):
         total = sum(self.live.values())
         if total > self.peak_bytes:
             self.peak_bytes, self.breakdown = total, dict(self.live)
+            if self.device.type == "cuda":
+                untracked = torch.cuda.memory_allocated(self.device) - total
+                self.breakdown["workspaces"] = max(0, untracked)
             self.location = self._where()
 
     def _where(self) -> str:
@@ -135,10 +151,13 @@ class AllocationTracker(TorchDispatchMode):
 
     def _start(self) -> None:
         """Count every tensor alive now, categorised by what the model and optimizer say it is."""
-        known: list[tuple[Iterable[torch.Tensor], str]] = []
+        known: list[tuple[Iterable[torch.Tensor], str]] = [(self.data, "data")]
         if self.model is not None:
             params = list(self.model.parameters())
-            known += [(params, "parameters"), ([p.grad for p in params if p.grad is not None], "gradients")]
+            known += [
+                ([*params, *self.model.buffers()], "parameters"),
+                ([p.grad for p in params if p.grad is not None], "gradients"),
+            ]
         if self.optimizer is not None:
             known.append((_optimizer_tensors(self.optimizer), "optimizer_state"))
         for tensors, category in known:
@@ -146,7 +165,7 @@ class AllocationTracker(TorchDispatchMode):
                 self._add(tensor, category)
         gc.collect()
         for tensor in _live_tensors():
-            self._add(tensor, "other_state")
+            self._add(tensor, "other")
         self.start_bytes = sum(self.live.values())
 
     # --- events ---------------------------------------------------------------------------------
@@ -230,11 +249,13 @@ def track_peak(
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     device: torch.device | str | None = None,
+    data: Iterable[torch.Tensor] = (),
 ) -> Iterator[AllocationTracker]:
-    """Track the live tensor bytes of the code run inside; read ``.peak_bytes`` afterwards."""
+    """Track the live tensor bytes of the code run inside; read ``.peak_bytes`` afterwards.
+    ``data``: the data set's and minibatch's tensors (the breakdown's "data")."""
     if device is None:
         device = next(model.parameters()).device if model is not None else torch.device("cpu")
-    with AllocationTracker(device, model, optimizer) as tracker:
+    with AllocationTracker(device, model, optimizer, data) as tracker:
         yield tracker
 
 
@@ -243,11 +264,13 @@ def measure_peak(
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     *,
+    data: Iterable[torch.Tensor] = (),
     fp32_conv_backward_on_cpu: bool = True,
 ) -> PeakMeasurement:
     """Run ``train_step`` once for real and measure its memory peak on the model's device.
 
     The step runs for real: it updates the weights and every other piece of training state.
+    data: the data set's and the minibatch's tensors (the breakdown's "data").
     fp32_conv_backward_on_cpu: see ``lowmem.techniques.precision.CpuHalfConvolutionBackward`` (no effect
         on CUDA or in FP32).
     """
@@ -257,7 +280,7 @@ def measure_peak(
         torch.cuda.reset_peak_memory_stats(device)
     emulation = CpuHalfConvolutionBackward() if fp32_conv_backward_on_cpu and device.type == "cpu" \
         else contextlib.nullcontext()
-    with emulation, track_peak(model, optimizer, device) as tracker:
+    with emulation, track_peak(model, optimizer, device, data) as tracker:
         train_step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

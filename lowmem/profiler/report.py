@@ -114,6 +114,7 @@ def profile_step(
     train_step: Callable[[], object] | None = None,
     *,
     sparse: Mapping[str, tuple[Sequence[int], int]] | None = None,
+    data: Sequence[torch.Tensor] = (),
     fake: bool = True,
 ) -> MemoryReport:
     """Account, count and (if ``train_step`` is given) measure one training step of ``model``.
@@ -125,6 +126,7 @@ def profile_step(
         measured peak.
     sparse: the parameters holding sparse weights, with their dense shapes and active counts
         (``DynamicSparsity.trained_parameters()``), counted as CSR.
+    data: the data set's and the minibatch's tensors, named "data" in the measured breakdown.
     """
     if callable(microbatches):
         microbatches = [Microbatch(microbatches)]
@@ -139,7 +141,7 @@ def profile_step(
     peak = None
     if train_step is not None:
         started = time.perf_counter()
-        peak = measure_peak(train_step, model, optimizer)
+        peak = measure_peak(train_step, model, optimizer, data=data)
         seconds["measured_step"] = time.perf_counter() - started
     params = dict(model.named_parameters())
     nonzero = sum(sparse[n][1] if n in sparse else p.numel() for n, p in params.items())

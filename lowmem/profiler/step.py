@@ -31,7 +31,8 @@ def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> Me
     ]
     sparse = trainer.sparsity.trained_parameters() if trainer.sparsity is not None else None
     step = (lambda: trainer.train_step(batch)) if measure else None
-    return profile_step(trainer.unwrapped_model, trainer.optimizer, microbatches, step, sparse=sparse)
+    data = [*trainer.data.resident, *tree_leaves(batch)]
+    return profile_step(trainer.unwrapped_model, trainer.optimizer, microbatches, step, sparse=sparse, data=data)
 
 
 def profile_row(trainer: Any, measure: bool) -> tuple[MemoryReport, dict[str, Any]]:

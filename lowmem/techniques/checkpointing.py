@@ -47,15 +47,17 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lowmem.residual import (
     plain_norm_relu_conv,
+    relu_of_norm,
     residual_stacks,
     routes_norm_relu_conv,
     run_sequentially,
     set_block_executor,
     set_norm_relu_conv,
 )
-from lowmem.techniques.compact import dense_weight, trained_weight, weight_gradient
+from lowmem.techniques.compact import conv2d_backward, dense_weight, trained_weight
 
 STRATEGIES = ("none", "no_bn", "residual", "residual_star")
+_FP32_SLICE = 1 << 15  # elements of a 16-bit tensor widened to FP32 at a time when BN is recomputed
 
 
 def validate_checkpointing(strategy: str, every: int) -> None:
@@ -439,14 +441,13 @@ class _NormReluConvRecomputed(torch.autograd.Function):
         else:
             normalized = norm(x)
             ctx.save_for_backward(x, trained)
-        activation = F.relu(normalized)
+        activation = relu_of_norm(normalized, x)  # forward runs without autograd: in place
         return F.conv2d(activation, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
 
     @staticmethod
     def backward(ctx, grad_output):
         saved_x, trained, *statistics = ctx.saved_tensors
         norm, conv = ctx.norm, ctx.conv
-        weight = dense_weight(conv)  # built again for a compact sparse convolution
         normalized_by = None  # the recomputed norm's graph (generic path)
         if statistics:
             with torch.no_grad():
@@ -460,23 +461,13 @@ class _NormReluConvRecomputed(torch.autograd.Function):
             # is recorded.
             with torch.no_grad():
                 activation = normalized_by.detach().relu_()
-        # Under autocast the convolution ran in the output's dtype; its backward does the same.
-        dtype = grad_output.dtype
         need_x = ctx.needs_input_grad[3] or any(ctx.needs_input_grad[6:])
         need_weight, need_bias = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
-        # The kernel autograd itself calls for a convolution: gradients are bitwise the plain ones.
-        grad_activation, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-            grad_output,
-            activation.detach().to(dtype),
-            weight.to(dtype),
-            ctx.bias_shape,
-            conv.stride,
-            conv.padding,
-            conv.dilation,
-            False,
-            [0, 0],
-            conv.groups,
-            [need_x, need_weight, need_bias],
+        # The kernels autograd itself calls for a convolution (under autocast in the output's
+        # dtype): gradients are bitwise the plain ones. A compact sparse weight is built for the
+        # input gradient and dropped before its own gradient is computed and gathered.
+        grad_activation, grad_weight, grad_bias = conv2d_backward(
+            conv, grad_output, activation.detach(), trained, ctx.bias_shape, (need_x, need_weight, need_bias)
         )
         needed = [ctx.needs_input_grad[3], *ctx.needs_input_grad[6:]]  # x, then the norm's parameters
         norm_grads: list[torch.Tensor | None] = [None] * len(needed)
@@ -498,7 +489,6 @@ class _NormReluConvRecomputed(torch.autograd.Function):
                 wanted = [t for t, need in zip(norm_inputs, needed, strict=True) if need]
                 grads = iter(torch.autograd.grad(normalized_by, wanted, grad_normalized, allow_unused=True))
                 norm_grads = [next(grads) if need else None for need in needed]
-        grad_weight = None if grad_weight is None else weight_gradient(conv, "weight", grad_weight).to(trained.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(conv.bias.dtype)
         return (None, None, None, norm_grads[0], grad_weight, grad_bias, *norm_grads[1:])
 
@@ -534,11 +524,19 @@ def _normalized_from_statistics(
 ) -> torch.Tensor:
     """BN's training-mode output from the kept statistics: ``x * a + b`` per channel with
     a = invstd * weight and b = bias - mean * a, each multiply-add rounded once as the CPU kernel
-    rounds it (bitwise the kernel's output)."""
+    rounds it (bitwise the kernel's output). A 16-bit ``x`` is computed in FP32 a few examples at a
+    time, so the FP32 temporary stays small."""
     scale = invstd * norm.weight
     shift = torch.addcmul(norm.bias, mean, scale, value=-1)
     shape = (1, -1) + (1,) * (x.dim() - 2)
-    return torch.addcmul(shift.view(shape), x, scale.view(shape)).to(x.dtype)
+    shift, scale = shift.view(shape), scale.view(shape)
+    if x.dtype == scale.dtype:
+        return torch.addcmul(shift, x, scale)
+    out = torch.empty_like(x)
+    examples = max(1, _FP32_SLICE // max(1, x[0].numel()))
+    for start in range(0, len(x), examples):
+        out[start : start + examples] = torch.addcmul(shift, x[start : start + examples], scale)
+    return out
 
 
 def _conv_output_shape(conv: nn.Conv2d, x: torch.Tensor) -> tuple[int, ...]:

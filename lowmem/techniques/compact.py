@@ -74,13 +74,6 @@ def trained_weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
     return _values(module, name) if is_compact(module, name) else getattr(module, name)
 
 
-def weight_gradient(module: nn.Module, name: str, dense_grad: torch.Tensor) -> torch.Tensor:
-    """The gradient of ``trained_weight(module, name)`` given the gradient of the dense weight."""
-    if not is_compact(module, name):
-        return dense_grad
-    return gather(dense_grad, _positions(module, name))
-
-
 def _values(module: nn.Module, name: str) -> torch.Tensor:
     return getattr(module, name + _VALUES)
 
@@ -97,6 +90,42 @@ def _dtype_for(grad: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dtype == grad.dtype else tensor.to(grad.dtype)
 
 
+def conv2d_backward(
+    conv: nn.Conv2d,
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    trained: torch.Tensor,
+    bias_shape: Sequence[int] | None,
+    wanted: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of ``conv``'s input, trained weight (``trained_weight(conv)``) and bias from those of
+    its output, with the kernels autograd calls (under autocast in ``grad_output``'s dtype). A
+    compact weight is built for the input gradient only and dropped before the weight gradient,
+    computed from the input alone (as ``torch.nn.grad.conv2d_weight`` does), is gathered: one
+    dense weight-sized tensor at a time, never two."""
+    args = (conv.stride, conv.padding, conv.dilation, False, [0, 0], conv.groups)
+    x = _dtype_for(grad_output, x)
+    need_x, need_weight, need_bias = wanted
+    if not is_compact(conv, "weight"):
+        weight = _dtype_for(grad_output, trained)
+        return torch.ops.aten.convolution_backward(grad_output, x, weight, bias_shape, *args, list(wanted))
+    grad_x = grad_values = grad_bias = None
+    shape = conv.compact_shape("weight")
+    positions = _positions(conv, "weight")
+    if need_x:
+        weight = _dtype_for(grad_output, densify(trained, positions, shape))
+        grad_x = torch.ops.aten.convolution_backward(grad_output, x, weight, None, *args, [True, False, False])[0]
+        del weight
+    if need_weight or need_bias:
+        shape_only = grad_output.new_empty(1).expand(shape)  # the kernel reads the weight's shape only
+        _, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+            grad_output, x, shape_only, bias_shape, *args, [False, need_weight, need_bias]
+        )
+        if grad_weight is not None:
+            grad_values = gather(grad_weight, positions).to(trained.dtype)
+    return grad_x, grad_values, grad_bias
+
+
 class _CompactConv2d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, values, positions, bias, conv):
@@ -107,16 +136,9 @@ class _CompactConv2d(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, values, positions = ctx.saved_tensors
-        conv = ctx.conv
-        weight = _dtype_for(grad_output, densify(values, positions, conv.compact_shape("weight")))
-        wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]]
-        grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-            grad_output, _dtype_for(grad_output, x), weight, ctx.bias_shape, conv.stride, conv.padding,
-            conv.dilation, False, [0, 0], conv.groups, wanted,
-        )
-        del weight
-        grad_values = None if grad_weight is None else gather(grad_weight, positions).to(values.dtype)
+        x, values, _ = ctx.saved_tensors
+        wanted = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
+        grad_x, grad_values, grad_bias = conv2d_backward(ctx.conv, grad_output, x, values, ctx.bias_shape, wanted)
         return grad_x, grad_values, None, grad_bias, None
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lowmem.config import ConfigError
+from lowmem.config import ConfigError, evaluation_batch_size
 from lowmem.recipe import RecipeData, TechniqueDefaults, check_model_knobs
 from lowmem.techniques.sparsity import DC_SCHEDULE, RewireSchedule
 from recipes.dc_iwslt.bleu import corpus_bleu
@@ -127,11 +127,13 @@ class DynamicConvIwsltRecipe:
         seed = cfg.trainer.seed
         try:
             train = TokenBatches(corpus.train, cfg.data.batch_size, seed=seed, device=device)
-            valid = TokenBatches(
-                corpus.valid, cfg.data.eval_batch_size, seed=seed, shuffle=False, device=device
-            )
-            test = TokenBatches(
-                corpus.test, cfg.data.eval_batch_size, seed=seed, shuffle=False, device=device
+            # Evaluation batches no larger than a training microbatch (but each sentence must fit).
+            valid, test = (
+                TokenBatches(
+                    pairs, max(evaluation_batch_size(cfg), int(pairs.pair_sizes.max())), seed=seed, shuffle=False,
+                    device=device,
+                )
+                for pairs in (corpus.valid, corpus.test)
             )
         except ValueError as error:
             raise ConfigError(str(error)) from error

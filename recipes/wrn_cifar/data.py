@@ -343,8 +343,11 @@ class DeviceBatches:
         dtype: torch.dtype = torch.float32,
         drop_last: bool | None = None,
         flip: bool = True,
+        device: torch.device | None = None,
     ) -> None:
-        """``drop_last`` (a short last batch is dropped) defaults to ``train``: every test image counts."""
+        """``drop_last`` (a short last batch is dropped) defaults to ``train``: every test image counts.
+        ``device``: where batches are augmented and delivered (default: where ``images`` live); when
+        it differs, each minibatch is gathered where the data set lives and copied as uint8."""
         if batch_size <= 0:
             raise ValueError(f"data.batch_size={batch_size}: must be a positive number of images")
         self.drop_last = train if drop_last is None else drop_last
@@ -355,9 +358,10 @@ class DeviceBatches:
             )
         self.images, self.labels, self.batch_size = images, labels, batch_size
         self.train, self.seed, self.dtype, self.flip = train, seed, dtype, flip
+        self.device = torch.device(device) if device is not None else images.device
         # Normalisation x/255 -> (x - mean)/std folded into one multiply-add per pixel.
-        std_tensor = torch.tensor(std, dtype=torch.float32, device=images.device).view(1, -1, 1, 1)
-        mean_tensor = torch.tensor(mean, dtype=torch.float32, device=images.device).view(1, -1, 1, 1)
+        std_tensor = torch.tensor(std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
+        mean_tensor = torch.tensor(mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self._scale = 1 / (255 * std_tensor)
         self._shift = -mean_tensor / std_tensor
 
@@ -379,8 +383,7 @@ class DeviceBatches:
         offsets = torch.randint(0, 2 * CROP_PADDING + 1, (count, 2), generator=generator)
         # Drawn even when flipping is off, so that the other draws do not depend on ``flip``.
         flips = torch.randint(0, 2, (count,), generator=generator).bool() & self.flip
-        device = self.images.device
-        return order.to(device), offsets.to(device), flips.to(device)
+        return order.to(self.images.device), offsets.to(self.device), flips.to(self.device)
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
         """The batches ``start_batch``.. of epoch ``epoch`` (``epoch`` is ignored when testing)."""
@@ -393,13 +396,19 @@ class DeviceBatches:
             order, offsets, flips = self.epoch_randomness(epoch)
         for index in range(start_batch, len(self)):
             positions = slice(index * self.batch_size, (index + 1) * self.batch_size)
+            chosen = order[positions] if self.train else positions
+            images, labels = self._deliver(self.images[chosen]), self._deliver(self.labels[chosen])
             if self.train:
-                chosen = order[positions]
-                images = crop_and_flip(self.images[chosen], offsets[positions], flips[positions])
-                labels = self.labels[chosen]
-            else:
-                images, labels = self.images[positions], self.labels[positions]
+                images = crop_and_flip(images, offsets[positions], flips[positions])
             yield self.normalize(images), labels
+
+    def _deliver(self, tensor: Tensor) -> Tensor:
+        """A minibatch tensor on the batches' device (copied from pinned host memory if need be)."""
+        if tensor.device == self.device:
+            return tensor
+        if self.device.type == "cuda" and not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
 
     def normalize(self, images: Tensor) -> Tensor:
         """uint8 [B, 3, H, W] -> ((x/255 - mean) / std) in ``self.dtype``, computed in FP32."""
@@ -407,9 +416,15 @@ class DeviceBatches:
 
 
 def training_batches(
-    dataset: ImageDataset, batch_size: int, *, seed: int, dtype: torch.dtype = torch.float32
+    dataset: ImageDataset,
+    batch_size: int,
+    *,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
 ) -> DeviceBatches:
-    """Shuffled, augmented training batches of ``dataset`` (flipped only if it is flip-invariant)."""
+    """Shuffled, augmented training batches of ``dataset`` (flipped only if it is flip-invariant),
+    delivered on ``device`` (default: where the data set lives)."""
     return DeviceBatches(
         dataset.train_images,
         dataset.train_labels,
@@ -420,13 +435,14 @@ def training_batches(
         seed=seed,
         dtype=dtype,
         flip=dataset.flip_invariant,
+        device=device,
     )
 
 
 def evaluation_batches(
-    dataset: ImageDataset, batch_size: int, *, dtype: torch.dtype = torch.float32
+    dataset: ImageDataset, batch_size: int, *, dtype: torch.dtype = torch.float32, device: torch.device | None = None
 ) -> DeviceBatches:
-    """The test set in order, unaugmented, the last short batch kept."""
+    """The test set in order, unaugmented, the last short batch kept, delivered on ``device``."""
     return DeviceBatches(
         dataset.test_images,
         dataset.test_labels,
@@ -436,4 +452,5 @@ def evaluation_batches(
         train=False,
         seed=0,
         dtype=dtype,
+        device=device,
     )

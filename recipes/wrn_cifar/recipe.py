@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
-from lowmem.config import ConfigError
+from lowmem.config import ConfigError, data_device, evaluation_batch_size
 from lowmem.recipe import RecipeData, TechniqueDefaults, check_model_knobs
 from lowmem.techniques.microbatch import split_by_examples
 from lowmem.techniques.sparsity import WRN_SCHEDULE, RewireSchedule
@@ -92,15 +92,21 @@ class WRNCifarRecipe:
             for k, v in (("train_size", cfg.data.train_size), ("test_size", cfg.data.test_size))
             if v is not None
         }
-        data = load_image_dataset(cfg.data.name, cfg.data.root, device, **options)
+        # data.device=cpu keeps the images in (pinned) host memory; each minibatch is copied over.
+        storage = data_device(cfg, device)
+        data = load_image_dataset(cfg.data.name, cfg.data.root, storage, **options)
+        if storage != device and device.type == "cuda":
+            for name in ("train_images", "train_labels", "test_images", "test_labels"):
+                setattr(data, name, getattr(data, name).pin_memory())
         # Digits are not mirror-symmetric: the data set says whether flips are a valid augmentation.
-        train = training_batches(data, cfg.data.batch_size, seed=cfg.trainer.seed, dtype=input_dtype)
-        test = evaluation_batches(data, cfg.data.eval_batch_size, dtype=input_dtype)
+        train = training_batches(data, cfg.data.batch_size, seed=cfg.trainer.seed, dtype=input_dtype, device=device)
+        test = evaluation_batches(data, evaluation_batch_size(cfg), dtype=input_dtype, device=device)
         description = (
-            f"{data.name}: {len(data.train_labels)} train / {len(data.test_labels)} test images, "
+            f"{data.name}: {len(data.train_labels)} train / {len(data.test_labels)} test images on {storage}, "
             f"{len(train)} minibatches of {cfg.data.batch_size} per epoch"
         )
-        return RecipeData(train=train, test=test, description=description)
+        resident = (data.train_images, data.train_labels, data.test_images, data.test_labels)
+        return RecipeData(train=train, test=test, description=description, resident=resident)
 
     def batch_size(self, batch) -> int:
         return int(batch[1].shape[0])
