@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-translation test test-fast lint bench fairseq clean-venv
+.PHONY: demo demo-translation test test-fast lint bench gpu-check fairseq clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check lowmem recipes scripts tests
+
+# Every recipe x precision x technique for a few steps on the GPU, a killed-and-resumed run, and the
+# Table 3/4 profiles against the CPU accounting: one PASS/FAIL line each (without CUDA: says so, exit 0).
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py
 
 bench: $(STAMP)
 	$(PY) scripts/bench_data.py

@@ -19,6 +19,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from lowmem.libraries import WORKSPACES
 from lowmem.techniques.precision import PRECISIONS
 
 
@@ -97,6 +98,9 @@ class TrainerConfig:
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | none
     num_threads: int | None = None  # CPU threads for torch (None: torch's default)
     sync_batchnorm: bool = False  # data parallel: SyncBatchNorm instead of per-rank statistics
+    cuda_graphs: str = "auto"  # auto (CUDA, one process: repeating microbatches captured + replayed) | off
+    workspaces: str = "default"  # CUDA libraries' scratch memory: default | capped (lowmem/libraries.py)
+    deterministic: bool = False  # repeat bit for bit on CUDA too (deterministic kernels only)
 
 
 @dataclass
@@ -185,6 +189,15 @@ def validate(cfg: DictConfig | Config) -> None:
         "must be a positive integer or null",
     )
     _require(cfg.trainer.log_every > 0, "trainer.log_every", cfg.trainer.log_every, "must be > 0")
+    _require(
+        cfg.trainer.cuda_graphs in ("auto", "off"), "trainer.cuda_graphs", cfg.trainer.cuda_graphs, "one of auto, off"
+    )
+    _require(
+        cfg.trainer.workspaces in WORKSPACES,
+        "trainer.workspaces",
+        cfg.trainer.workspaces,
+        f"one of {', '.join(WORKSPACES)}",
+    )
     _require(
         cfg.trainer.progress in ("auto", "bar", "lines", "none"),
         "trainer.progress",

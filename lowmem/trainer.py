@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from lowmem import distributed
 from lowmem.config import ConfigError, microbatch_mode, validate
+from lowmem.libraries import configure_libraries
 from lowmem.metrics_log import MetricsLog, Progress
 from lowmem.profiler import profile_trainer, track_peak
 from lowmem.recipe import Recipe, RecipeData, TechniqueDefaults, get_recipe
@@ -29,6 +30,7 @@ from lowmem.run_files import CHECKPOINT, METRICS, MODEL, RESULT, provenance, sav
 from lowmem.schedules import learning_rate
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.compact import dense_copy, dense_state_dict
+from lowmem.techniques.convolutions import tune_convolutions
 from lowmem.techniques.microbatch import apply_simulated_microbatching, no_sync_except_last
 from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
 from lowmem.techniques.precision import (
@@ -39,6 +41,7 @@ from lowmem.techniques.precision import (
     make_loss_scaler,
     make_policy,
 )
+from lowmem.techniques.replay import EagerMicrobatches, make_microbatch_runner
 from lowmem.techniques.sparsity import DynamicSparsity
 
 log = logging.getLogger("lowmem")
@@ -89,9 +92,24 @@ class Trainer:
         self.base_lr = cfg.optim.lr * self.lr_mult
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = _build_optimizer(cfg.optim, self.params, self.base_lr, policy)
-        self.scaler = make_loss_scaler(policy, optimizer=self.optimizer)
+        self.scaler = make_loss_scaler(policy, optimizer=self.optimizer, device=device)
         self.microbatch_size = cfg.microbatch.size
         self.microbatch_mode = microbatch_mode(cfg)
+        # Each microbatch's forward and backward: eagerly, or (trainer.cuda_graphs=auto, CUDA, one
+        # process) captured once per repeating shape and replayed. Autocast on the device the
+        # microbatch is on: the training device, or the CPU for the profiler's fake pass
+        # (lowmem.profiler.activations).
+        self.eager_microbatches = EagerMicrobatches(
+            recipe.loss, self.scaler, lambda part: autocast_context(policy, batch_device(part, device))
+        )
+        self.microbatch_runner = make_microbatch_runner(
+            cfg.trainer.cuda_graphs,
+            self.eager_microbatches,
+            self.unwrapped_model,
+            device,
+            data_parallel=distributed.world_size() > 1,
+        )
+        tune_convolutions(self.unwrapped_model, device)  # CUDA: cuDNN times each convolution shape once
         self.state = TrainState()
 
     @property
@@ -123,16 +141,15 @@ class Trainer:
         """Forward and backward of one microbatch; returns its (unweighted, detached) mean loss.
 
         Under data parallelism the gradient all-reduce waits for the last of ``count`` microbatches;
-        ``local=True`` bypasses the data-parallel wrapper (no collective: what one rank alone does,
-        as the profiler needs).
+        ``local=True`` bypasses the data-parallel wrapper and graph replay (no collective, every
+        operation dispatched: what one rank alone does, as the profiler needs, on fake tensors too).
         """
         model = self.unwrapped_model if local else self.model
+        # 2. Forward, loss scaling (FP16: gradients stay scaled; the optimizer unscales them in FP32)
+        #    and backward, accumulating into the gradients.
+        runner = self.eager_microbatches if local else self.microbatch_runner
         with no_sync_except_last(model, index, count):
-            with autocast_context(self.policy, self.device):
-                loss = self.recipe.loss(model, part)
-            # 2. Loss scaling (FP16): gradients stay scaled; the optimizer unscales them in FP32.
-            self.scaler.scale_loss(loss * weight).backward()
-        return loss.detach()
+            return runner.forward_backward(model, part, weight)
 
     def account_memory(self) -> dict[str, int]:
         """Accounted bytes (model, optimizer, activations, total) and FLOPs of one minibatch."""
@@ -148,8 +165,9 @@ class Trainer:
     def train_step(self, batch: Any) -> dict[str, Any]:
         """Forward/backward over all microbatches of ``batch``, then one (possibly skipped) update."""
         self.model.train()
-        for p in self.params:
-            p.grad = None
+        # Gradients start at None, or at zero in place when microbatches are replayed (captures
+        # accumulate into those very tensors; the optimizer consumes them in place).
+        self.microbatch_runner.start_step(self.params)
         parts = self.microbatches(batch)
         loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
         for index, (part, weight) in enumerate(parts):
@@ -160,7 +178,7 @@ class Trainer:
             self.sparsity.mask_gradients()
         # 4. Overflow check; under data parallelism an overflow on any rank skips the step everywhere.
         overflow = distributed.any_rank(self.scaler.found_overflow(self.params), self.device)
-        record: dict[str, Any] = {"loss": float(loss_total), "loss_scale": self.scaler.scale}
+        record: dict[str, Any] = {"loss": float(loss_total), "loss_scale": self.scaler.loss_scale}
         epoch_position = self.state.epoch + self.state.batch_in_epoch / len(self.data.train)
         if overflow:
             self.state.skipped += 1
@@ -337,9 +355,15 @@ class Trainer:
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scaler.load_state_dict(checkpoint["scaler"])
         self.state = TrainState(**checkpoint["trainer"])
-        torch.set_rng_state(checkpoint["rng"]["torch"])
+        # Generator states are CPU byte tensors whatever device the checkpoint was mapped to.
+        torch.set_rng_state(checkpoint["rng"]["torch"].cpu())
         if checkpoint["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+            torch.cuda.set_rng_state_all([state.cpu() for state in checkpoint["rng"]["cuda"]])
+
+
+def batch_device(batch: Any, default: torch.device) -> torch.device:
+    """The device of ``batch``'s first tensor (``default`` for a batch without tensors)."""
+    return next((t.device for t in tree_leaves(batch) if isinstance(t, torch.Tensor)), default)
 
 
 def _done(state: TrainState, max_steps: int | None) -> bool:
@@ -430,6 +454,8 @@ def build_trainer(cfg: DictConfig) -> Trainer:
         torch.set_num_threads(cfg.trainer.num_threads)
     device = resolve_device(cfg.trainer.device)
     distributed.check_batch_divisible(cfg.data.batch_size)
+    # Before anything runs on the device: the CUDA libraries read their workspace sizes once.
+    configure_libraries(device, cfg.trainer.workspaces, cfg.trainer.deterministic)
     torch.manual_seed(cfg.trainer.seed)
     policy = make_policy(
         cfg.precision.name,
@@ -517,7 +543,10 @@ def resume_from(trainer: Trainer, resume_dir: str, run_dir: Path) -> None:
     path = source / CHECKPOINT
     if not path.is_file():
         raise ConfigError(f"trainer.resume={resume_dir!r}: no {CHECKPOINT} there (expected {path})")
-    checkpoint = torch.load(path, map_location=trainer.device, weights_only=True)
+    # Loaded on the CPU: each piece of state is copied to where it belongs as it is loaded (the
+    # model's and optimizer's tensors to their parameters' device), and generator states must stay
+    # CPU byte tensors (torch.set_rng_state and Generator.set_state accept nothing else).
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     trainer.load_checkpoint(checkpoint)
     if distributed.is_rank0() and source.resolve() != run_dir.resolve() and (source / METRICS).is_file():
         (run_dir / METRICS).write_bytes((source / METRICS).read_bytes())

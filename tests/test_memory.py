@@ -25,6 +25,7 @@ from lowmem.profiler import (
     csr_index_bytes,
     measure_peak,
     profile_step,
+    track_peak,
 )
 from lowmem.profiler.activations import maybe_fake
 from lowmem.techniques.checkpointing import apply_checkpointing
@@ -480,6 +481,8 @@ def test_measured_peak_sees_a_step_allocation_and_categorises_state():
         del buffer
         optimizer.step()
 
+    with track_peak(device="cpu") as idle:  # tensors other tests left alive in this process
+        pass
     peak = measure_peak(train_step, model, optimizer, data=(inputs, labels))
     assert peak.source == "cpu tensor tracker"
     assert peak.peak_bytes >= peak.start_bytes + scratch
@@ -487,7 +490,7 @@ def test_measured_peak_sees_a_step_allocation_and_categorises_state():
     # Parameters and buffers (BatchNorm statistics: model state, not "other").
     state = [*model.parameters(), *model.buffers()]
     assert peak.breakdown["parameters"] == sum(t.numel() * t.element_size() for t in state)
-    assert peak.breakdown["other"] == 0  # everything alive at the start was named
+    assert peak.breakdown["other"] <= idle.start_bytes  # everything of the step alive at the start was named
     assert peak.location == "step: empty"  # the scratch buffer, between backward and the update
     # The second step starts with gradients and momentum alive.
     again = measure_peak(train_step, model, optimizer)

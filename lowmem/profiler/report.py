@@ -37,6 +37,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,10 +52,12 @@ MB = 1e6  # the report's megabyte (404.8 MB = 404.8e6 bytes)
 @dataclass(frozen=True)
 class Microbatch:
     """Forward + backward of one microbatch (``run``), standing for ``count`` microbatches of the
-    minibatch with the same shapes (the same activation memory and FLOPs)."""
+    minibatch with the same shapes (the same activation memory and FLOPs). With ``inputs``, the
+    accounting calls ``run(inputs)`` with them as fake CPU tensors (see ``account_activations``)."""
 
-    run: Callable[[], object]
+    run: Callable[..., object]
     count: int = 1
+    inputs: Any = None
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ def profile_step(
     started = time.perf_counter()
     sparse = dict(sparse or {})
     state = account_state(model, optimizer, sparse)
-    traces = [(account_activations(m.run, model, fake=fake), m.count) for m in microbatches]
+    traces = [(account_activations(m.run, model, fake=fake, inputs=m.inputs), m.count) for m in microbatches]
     activations = max((trace for trace, _ in traces), key=lambda trace: trace.activation_bytes)
     flops = sum(trace.flops * count for trace, count in traces)
     seconds["accounting_and_flops"] = time.perf_counter() - started

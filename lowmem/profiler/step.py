@@ -25,14 +25,20 @@ def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> Me
     distinct: dict[tuple, list] = {}
     for part, weight in trainer.microbatches(batch):
         distinct.setdefault(_shapes(part), [part, weight, 0])[2] += 1
+    # Each microbatch is handed to the accounting as inputs: it runs on fake CPU stand-ins of
+    # them, so that a step on any device is accounted alike (autocast follows the inputs' device).
     microbatches = [
-        Microbatch(functools.partial(trainer.microbatch_backward, part, weight, local=True), count)
+        Microbatch(functools.partial(_microbatch_backward, trainer, weight), count, inputs=part)
         for part, weight, count in distinct.values()
     ]
     sparse = trainer.sparsity.trained_parameters() if trainer.sparsity is not None else None
     step = (lambda: trainer.train_step(batch)) if measure else None
     data = [*trainer.data.resident, *tree_leaves(batch)]
     return profile_step(trainer.unwrapped_model, trainer.optimizer, microbatches, step, sparse=sparse, data=data)
+
+
+def _microbatch_backward(trainer: Any, weight: float, part: Any) -> Any:
+    return trainer.microbatch_backward(part, weight, local=True)
 
 
 def profile_row(trainer: Any, measure: bool) -> tuple[MemoryReport, dict[str, Any]]:

@@ -285,6 +285,11 @@ class LossScaler:
         self.min_scale = min_scale
         self.clean_steps = 0  # applied steps since the last change of scale
 
+    @property
+    def loss_scale(self) -> float:
+        """The factor losses are multiplied by this step (what the log reports)."""
+        return self.scale
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale``: backpropagate this one (keep ``loss`` itself for logging)."""
         return loss * self.scale if self.enabled else loss
@@ -328,7 +333,12 @@ class AmpLossScaler:
     on every rank, so the all-reduced ``found_inf`` passed in agrees with it.
     """
 
-    def __init__(self, grad_scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer | None) -> None:
+    def __init__(
+        self,
+        grad_scaler: torch.amp.GradScaler,
+        optimizer: torch.optim.Optimizer | None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if grad_scaler.is_enabled() and optimizer is None:
             raise ValueError(
                 "precision=amp with loss scaling needs the optimizer: make_loss_scaler(..., optimizer=)"
@@ -336,6 +346,11 @@ class AmpLossScaler:
         self.grad_scaler = grad_scaler
         self.optimizer = optimizer
         self._unscaled = False
+        if grad_scaler.is_enabled():
+            # GradScaler creates its scale tensor on the first loss it scales. Created here, on the
+            # training device, so that the profiler's pass on fake tensors (which scales a fake loss
+            # first) cannot leave a fake scale behind for the real steps.
+            grad_scaler.scale(torch.ones((), device=device))
 
     @property
     def enabled(self) -> bool:
@@ -345,6 +360,11 @@ class AmpLossScaler:
     def scale(self) -> float:
         """The factor the current gradients carry (1.0 once ``found_overflow`` has unscaled them)."""
         return 1.0 if self._unscaled or not self.enabled else self.grad_scaler.get_scale()
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor this step's losses were multiplied by, unscaled gradients or not (for the log)."""
+        return self.grad_scaler.get_scale() if self.enabled else 1.0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         self._unscaled = False
@@ -375,10 +395,12 @@ def make_loss_scaler(
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
     min_scale: float = 2.0**-14,
+    device: torch.device | str | None = None,
 ) -> LossScaler | AmpLossScaler:
     """The loss scaler for ``policy``: ours for fp16, disabled for fp32 and bf16, torch's for amp.
 
-    ``optimizer`` is needed for amp on CUDA only (torch unscales gradients through it).
+    ``optimizer`` is needed for amp on CUDA only (torch unscales gradients through it); ``device``
+    (default: the policy's device type) is where amp's scale tensor lives.
     """
     if policy.name == "amp":
         grad_scaler = torch.amp.GradScaler(
@@ -389,7 +411,7 @@ def make_loss_scaler(
             growth_interval=policy.growth_interval,
             enabled=policy.uses_loss_scaling,
         )
-        return AmpLossScaler(grad_scaler, optimizer)
+        return AmpLossScaler(grad_scaler, optimizer, policy.device_type if device is None else device)
     return LossScaler(
         init_scale=policy.init_scale,
         growth_factor=growth_factor,

@@ -469,7 +469,7 @@ class DynamicSparsity:
                     weight.masked_fill_(self._inactive[name], 0)
         self.threshold = float(state["threshold"])
         self.step_count = int(state["step_count"])
-        self._generator.set_state(state["generator"])
+        self._generator.set_state(state["generator"].cpu())  # a CPU generator: a CPU byte tensor
 
     # --------------------------------------------------------------------------------- helpers
     def _active(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:

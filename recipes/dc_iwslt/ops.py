@@ -44,7 +44,12 @@ class Ops:
         return F.dropout(x, p, training)
 
     def layer_norm(self, x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
-        return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        # Pure 16-bit training keeps the norms' parameters in FP32 (lowmem.techniques.precision).
+        # CUDA's LayerNorm kernel takes parameters in the input's dtype only (the CPU kernel accepts
+        # the mix), so they are cast here, on every device alike: one computation everywhere, the
+        # statistics still accumulated in FP32, and nothing activation-sized in FP32.
+        weight, bias = (None if t is None else t.to(x.dtype) for t in (norm.weight, norm.bias))
+        return F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)
 
 
 class _SoftmaxSavingInput(torch.autograd.Function):

@@ -323,7 +323,7 @@ class DeviceBatches:
     Training (``train=True``): a fresh permutation per epoch, random crop after 4-pixel zero padding
     and (if ``flip``) random horizontal flip, then per-channel normalisation. Testing: data order, no
     augmentation. ``training_batches`` and ``evaluation_batches`` build both from an ``ImageDataset``.
-    Every batch is (images [B, 3, 32, 32] normalised, in ``dtype``; labels int64 [B]).
+    Every batch is (images [B, 3, 32, 32] normalised, in ``dtype`` and ``memory_format``; labels int64 [B]).
 
     The randomness of an epoch is drawn up front from a generator seeded by (seed, epoch) alone, so
     ``epoch(e, start_batch=k)`` yields exactly the batches k.. of an uninterrupted ``epoch(e)``:
@@ -344,6 +344,7 @@ class DeviceBatches:
         drop_last: bool | None = None,
         flip: bool = True,
         device: torch.device | None = None,
+        memory_format: torch.memory_format = torch.preserve_format,
     ) -> None:
         """``drop_last`` (a short last batch is dropped) defaults to ``train``: every test image counts.
         ``device``: where batches are augmented and delivered (default: where ``images`` live); when
@@ -358,6 +359,7 @@ class DeviceBatches:
             )
         self.images, self.labels, self.batch_size = images, labels, batch_size
         self.train, self.seed, self.dtype, self.flip = train, seed, dtype, flip
+        self.memory_format = memory_format  # channels_last for 16-bit images on CUDA (techniques.convolutions)
         self.device = torch.device(device) if device is not None else images.device
         # Normalisation x/255 -> (x - mean)/std folded into one multiply-add per pixel.
         std_tensor = torch.tensor(std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
@@ -410,9 +412,15 @@ class DeviceBatches:
             tensor = tensor.pin_memory()
         return tensor.to(self.device, non_blocking=True)
 
+    @property
+    def normalization(self) -> tuple[Tensor, Tensor]:
+        """The per-channel scale and shift ``normalize`` applies (tensors on the batches' device)."""
+        return self._scale, self._shift
+
     def normalize(self, images: Tensor) -> Tensor:
-        """uint8 [B, 3, H, W] -> ((x/255 - mean) / std) in ``self.dtype``, computed in FP32."""
-        return torch.addcmul(self._shift, images.float(), self._scale).to(self.dtype)
+        """uint8 [B, 3, H, W] -> ((x/255 - mean) / std) in ``self.dtype`` and ``self.memory_format``,
+        computed in FP32."""
+        return torch.addcmul(self._shift, images.float(), self._scale).to(self.dtype, memory_format=self.memory_format)
 
 
 def training_batches(
@@ -422,9 +430,10 @@ def training_batches(
     seed: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
+    memory_format: torch.memory_format = torch.preserve_format,
 ) -> DeviceBatches:
     """Shuffled, augmented training batches of ``dataset`` (flipped only if it is flip-invariant),
-    delivered on ``device`` (default: where the data set lives)."""
+    delivered on ``device`` (default: where the data set lives) in ``memory_format``."""
     return DeviceBatches(
         dataset.train_images,
         dataset.train_labels,
@@ -436,13 +445,20 @@ def training_batches(
         dtype=dtype,
         flip=dataset.flip_invariant,
         device=device,
+        memory_format=memory_format,
     )
 
 
 def evaluation_batches(
-    dataset: ImageDataset, batch_size: int, *, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+    dataset: ImageDataset,
+    batch_size: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    memory_format: torch.memory_format = torch.preserve_format,
 ) -> DeviceBatches:
-    """The test set in order, unaugmented, the last short batch kept, delivered on ``device``."""
+    """The test set in order, unaugmented, the last short batch kept, delivered on ``device`` in
+    ``memory_format``."""
     return DeviceBatches(
         dataset.test_images,
         dataset.test_labels,
@@ -453,4 +469,5 @@ def evaluation_batches(
         seed=0,
         dtype=dtype,
         device=device,
+        memory_format=memory_format,
     )

@@ -17,6 +17,7 @@ from torch import nn
 
 from lowmem.config import ConfigError, data_device, evaluation_batch_size
 from lowmem.recipe import RecipeData, TechniqueDefaults, check_model_knobs
+from lowmem.techniques.convolutions import input_memory_format
 from lowmem.techniques.microbatch import split_by_examples
 from lowmem.techniques.sparsity import WRN_SCHEDULE, RewireSchedule
 from recipes.wrn_cifar.data import DeviceBatches, evaluation_batches, load_image_dataset, training_batches
@@ -98,14 +99,21 @@ class WRNCifarRecipe:
         if storage != device and device.type == "cuda":
             for name in ("train_images", "train_labels", "test_images", "test_labels"):
                 setattr(data, name, getattr(data, name).pin_memory())
+        # 16-bit images on CUDA arrive channels-last, and every activation follows (techniques.convolutions).
+        layout = input_memory_format(input_dtype, device)
         # Digits are not mirror-symmetric: the data set says whether flips are a valid augmentation.
-        train = training_batches(data, cfg.data.batch_size, seed=cfg.trainer.seed, dtype=input_dtype, device=device)
-        test = evaluation_batches(data, evaluation_batch_size(cfg), dtype=input_dtype, device=device)
+        train = training_batches(
+            data, cfg.data.batch_size, seed=cfg.trainer.seed, dtype=input_dtype, device=device, memory_format=layout
+        )
+        test = evaluation_batches(
+            data, evaluation_batch_size(cfg), dtype=input_dtype, device=device, memory_format=layout
+        )
         description = (
             f"{data.name}: {len(data.train_labels)} train / {len(data.test_labels)} test images on {storage}, "
             f"{len(train)} minibatches of {cfg.data.batch_size} per epoch"
         )
-        resident = (data.train_images, data.train_labels, data.test_images, data.test_labels)
+        resident = (data.train_images, data.train_labels, data.test_images, data.test_labels,
+                    *train.normalization, *test.normalization)
         return RecipeData(train=train, test=test, description=description, resident=resident)
 
     def batch_size(self, batch) -> int:
