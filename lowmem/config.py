@@ -83,8 +83,9 @@ class MicrobatchConfig:
 
 @dataclass
 class CheckpointingConfig:
-    strategy: str = "none"  # none | no_bn | residual | residual_star
+    strategy: str = "none"  # none | no_bn | residual | residual_star | optimal
     every: int = 1  # residual strategies: keep the output of every m-th residual block
+    budget_mb: float | None = None  # optimal only (required there): most accounted activation MB (1e6 bytes)
 
 
 @dataclass
@@ -116,6 +117,13 @@ class ProfileConfig:
 
 
 @dataclass
+class PlanConfig:
+    budget_mb: float | None = None  # lowmem.plan (required): the accounted total to fit, MB (1e6 bytes)
+    verify: bool = False  # lowmem.plan: also measure the chosen configuration's real peak (one real step)
+    top: int = 10  # lowmem.plan: rows of the table of configurations that fit
+
+
+@dataclass
 class Config:
     recipe: str = MISSING  # chosen with `+recipe=<name>`
     data: DataConfig = field(default_factory=DataConfig)
@@ -128,6 +136,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def register_configs() -> None:
@@ -267,11 +276,27 @@ def validate(cfg: DictConfig | Config) -> None:
         )
     microbatch_mode(cfg)
     _require(
-        cfg.checkpointing.strategy in ("none", "no_bn", "residual", "residual_star"),
+        cfg.checkpointing.strategy in ("none", "no_bn", "residual", "residual_star", "optimal"),
         "checkpointing.strategy",
         cfg.checkpointing.strategy,
-        "one of none, no_bn, residual, residual_star",
+        "one of none, no_bn, residual, residual_star, optimal",
     )
+    # budget_mb belongs to optimal alone: set with another strategy it would silently do nothing.
+    budget = cfg.checkpointing.budget_mb
+    if cfg.checkpointing.strategy == "optimal":
+        _require(
+            budget is not None and budget > 0,
+            "checkpointing.budget_mb",
+            budget,
+            "checkpointing.strategy=optimal needs a budget: a number of MB > 0",
+        )
+    else:
+        _require(
+            budget is None,
+            "checkpointing.budget_mb",
+            budget,
+            "only with checkpointing.strategy=optimal (leave it unset, or null, otherwise)",
+        )
     _require(
         cfg.checkpointing.every >= 1,
         "checkpointing.every",

@@ -24,6 +24,7 @@ from lowmem import distributed
 from lowmem.config import ConfigError, microbatch_mode, validate
 from lowmem.libraries import configure_libraries
 from lowmem.metrics_log import MetricsLog, Progress
+from lowmem.planning.optimal import apply_optimal_checkpointing
 from lowmem.profiler import profile_trainer, track_peak
 from lowmem.recipe import Recipe, RecipeData, TechniqueDefaults, get_recipe
 from lowmem.run_files import CHECKPOINT, METRICS, MODEL, RESULT, provenance, save_json, save_torch
@@ -497,8 +498,13 @@ def build_trainer(cfg: DictConfig) -> Trainer:
             init=recipe.sparse_init,
         )
     # 5. Checkpointing last among the model transforms: it changes how blocks are *run*, so it
-    #    wraps whatever the blocks have become.
-    if cfg.checkpointing.strategy != "none":
+    #    wraps whatever the blocks have become. `optimal` places checkpoints for this rank's first
+    #    minibatch, accounted through a provisional trainer over the unwrapped model: the very step
+    #    lowmem.profile accounts, so its budget holds for the figure lowmem.profile prints.
+    if cfg.checkpointing.strategy == "optimal":
+        provisional = Trainer(cfg, recipe, model, data, policy, sparsity, defaults, device)
+        apply_optimal_checkpointing(provisional, cfg.checkpointing.budget_mb)
+    elif cfg.checkpointing.strategy != "none":
         apply_checkpointing(model, cfg.checkpointing.strategy, cfg.checkpointing.every)
     # 6. Data parallel wrapper outermost (it hooks the gradients of the final parameters).
     model = distributed.wrap_model(model, device, sync_batchnorm=cfg.trainer.sync_batchnorm)

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lowmem.residual import run_residual_blocks
-from lowmem.techniques.checkpointing import apply_checkpointing, validate_checkpointing
+from lowmem.techniques.checkpointing import Segment, apply_checkpointing, apply_schedule, validate_checkpointing
 from lowmem.techniques.microbatch import apply_simulated_microbatching
 from recipes.wrn_cifar.model import WideResNet
 
@@ -266,3 +266,49 @@ def test_model_without_residual_blocks_is_rejected():
     apply_checkpointing(nn.Linear(2, 2), "none")  # nothing to do, not an error
     with pytest.raises(ValueError, match="checkpointing.strategy='residual'.*Linear"):
         apply_checkpointing(nn.Linear(2, 2), "residual")
+
+
+# Every kind of segment in one schedule (WRN-16-1: 6 blocks), as checkpointing.strategy=optimal runs them.
+MIXED_SCHEDULE = (Segment(1, "stored"), Segment(1, "stored", True), Segment(2, "all_at_once", True),
+                  Segment(1, "all_at_once"), Segment(1, "recursively", True))  # fmt: skip
+
+
+def test_mixed_schedule_matches_none(wrn_data):
+    """Stored, no_bn, all_at_once (with and without BN-ReLU recomputation) and recursive segments
+    side by side: the same gradients and BatchNorm statistics (updated once per step) as none."""
+    reference = WideResNet(depth=16, width=1).double()
+    model = copy.deepcopy(reference)
+    apply_schedule(model, [MIXED_SCHEDULE])
+    steps = 2
+    expected, got = train_steps(reference, *wrn_data, steps), train_steps(model, *wrn_data, steps)
+    for step in range(steps):
+        assert max_difference(expected[step], got[step]) <= 1e-12, f"gradients differ at step {step}"
+    for (name, a), b in zip(reference.named_buffers(), model.buffers(), strict=True):
+        assert torch.equal(a, b), name
+        if name.endswith("num_batches_tracked"):
+            assert int(b) == steps, name
+
+
+def test_schedule_replays_dropout_and_reaches_context():
+    reference = DropoutStack().double()
+    model = copy.deepcopy(reference)
+    apply_schedule(model, [(Segment(2, "recursively"), Segment(1, "stored"), Segment(2, "all_at_once"))])
+    inputs, memories = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    results = []
+    for net in (reference, model):
+        x, memory = inputs.clone().requires_grad_(), memories.clone().requires_grad_()
+        torch.manual_seed(3)
+        net(x, memory).pow(2).sum().backward()
+        results.append([x.grad, memory.grad, torch.rand(3), *(p.grad for p in net.parameters())])
+    assert max_difference(*results) <= 1e-12
+
+
+@pytest.mark.parametrize(
+    "schedule,message",
+    [((Segment(2, "stored"), Segment(2, "all_at_once")), "does not cover the 5 blocks"),
+     ((Segment(5, "all_at_twice"),), "backprop one of stored, all_at_once, recursively"),
+     ((Segment(5, "stored", True),), "recomputes BatchNorm-ReLU outputs, but DropoutBlock")],
+)  # fmt: skip
+def test_bad_schedules_are_rejected(schedule, message):
+    with pytest.raises(ValueError, match=message):
+        apply_schedule(DropoutStack(), [schedule])

@@ -22,6 +22,10 @@ Strategies (``checkpointing.strategy``, with ``checkpointing.every=m``):
   ``residual_branch_ends_with_norm_relu_conv`` (its last norm-ReLU-conv output is only added to
   the shortcut) has that last convolution skipped when its graph is rebuilt for backprop: its
   output is never read, and its backward needs only its input.
+- ``optimal``: any *schedule* (``apply_schedule``): each stack's blocks partitioned into
+  ``Segment``s, each stored, backpropagated all at once or recursively, with or without BN-ReLU
+  recomputation. The four strategies above are the uniform schedules; ``lowmem.planning`` chooses
+  one per stack by dynamic programming under an activation budget.
 
 Recomputation replays the RNG state (identical dropout masks) and the autocast state, and sends
 BatchNorm running-statistic updates to scratch copies, so the statistics are updated exactly once
@@ -56,8 +60,40 @@ from lowmem.residual import (
 )
 from lowmem.techniques.compact import conv2d_backward, dense_weight, trained_weight
 
-STRATEGIES = ("none", "no_bn", "residual", "residual_star")
+STRATEGIES = ("none", "no_bn", "residual", "residual_star")  # the fixed patterns (`optimal`: lowmem.planning)
+BACKPROPS = ("stored", "all_at_once", "recursively")  # how a Segment's activations reach backward
 _FP32_SLICE = 1 << 15  # elements of a 16-bit tensor widened to FP32 at a time when BN is recomputed
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive residual blocks of one stack, and how backward gets their activations.
+
+    blocks: how many consecutive blocks (>= 1).
+    backprop: ``stored``: autograd keeps their activations (as ``none``/``no_bn``); ``all_at_once``:
+        only the segment's input is kept and backward recomputes the segment's graph (as
+        ``residual``); ``recursively``: only the input is kept, backward recomputes the block
+        inputs, then one block's graph at a time (as ``residual_star``).
+    recompute_norm: the blocks' BN-ReLU outputs are recomputed in backward, never kept (as
+        ``no_bn``); needs blocks that route their triples through ``lowmem.residual.norm_relu_conv``.
+    """
+
+    blocks: int
+    backprop: str = "stored"
+    recompute_norm: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.backprop}{'/no_bn' if self.recompute_norm else ''}:{self.blocks}"
+
+
+def uniform_schedule(strategy: str, every: int, blocks: int) -> tuple[Segment, ...]:
+    """The segments a fixed ``strategy`` runs a stack of ``blocks`` blocks in."""
+    validate_checkpointing(strategy, every)
+    recompute_norm = strategy in ("no_bn", "residual_star")
+    if strategy in ("none", "no_bn"):
+        return (Segment(blocks, "stored", recompute_norm),)
+    backprop = "recursively" if strategy == "residual_star" else "all_at_once"
+    return tuple(Segment(min(every, blocks - start), backprop, recompute_norm) for start in range(0, blocks, every))
 
 
 def validate_checkpointing(strategy: str, every: int) -> None:
@@ -74,7 +110,7 @@ def apply_checkpointing(model: nn.Module, strategy: str, every: int = 1) -> None
     """Make every residual stack of ``model`` run with ``strategy``, segments of ``every`` blocks.
 
     Changes only how blocks are executed (no module, parameter or state-dict key changes); calling
-    it again replaces the previous strategy.
+    it again replaces the previous strategy (or schedule).
     """
     validate_checkpointing(strategy, every)
     stacks = residual_stacks(model)
@@ -96,13 +132,51 @@ def apply_checkpointing(model: nn.Module, strategy: str, every: int = 1) -> None
                 "does not; use checkpointing.strategy=residual (works for any block) or none"
             )
     for block in blocks:
-        if routes_norm_relu_conv(block):
-            set_norm_relu_conv(block, recomputed_norm_relu_conv if recompute_norm else plain_norm_relu_conv)
+        set_recompute_norm(block, recompute_norm)
     if strategy in ("residual", "residual_star"):
-        recursive = strategy == "residual_star"
-        set_block_executor(model, functools.partial(run_checkpointed_segments, every=every, recursive=recursive))
+        # Segments cut from each stack's own length when it runs: nested stacks work too.
+        set_block_executor(model, functools.partial(run_uniform_segments, strategy=strategy, every=every))
     else:
         set_block_executor(model, run_sequentially)
+
+
+def apply_schedule(model: nn.Module, schedules: Sequence[Sequence[Segment]]) -> None:
+    """Run residual stack ``i`` of ``model`` (``lowmem.residual.residual_stacks`` order) in the
+    segments ``schedules[i]``, which must cover its blocks exactly. Like ``apply_checkpointing``,
+    it changes only how blocks run, and calling it again replaces the previous schedule."""
+    stacks = residual_stacks(model)
+    if len(schedules) != len(stacks):
+        raise ValueError(f"{len(schedules)} schedules for the {len(stacks)} residual stacks of {type(model).__name__}")
+    for index, (stack, segments) in enumerate(zip(stacks, schedules, strict=True)):
+        blocks = stack.residual_blocks
+        if any(residual_stacks(block) for block in blocks):
+            raise ValueError(f"residual stack {index} holds residual stacks in its blocks: schedules need flat stacks")
+        segments = tuple(segments)
+        malformed = any(s.blocks < 1 or s.backprop not in BACKPROPS for s in segments)
+        if malformed or sum(s.blocks for s in segments) != len(blocks):
+            raise ValueError(
+                f"schedule {' '.join(map(str, segments))} does not cover the {len(blocks)} blocks of residual stack "
+                f"{index}: segments of >= 1 blocks, backprop one of {', '.join(BACKPROPS)}"
+            )
+        start = 0
+        for segment in segments:
+            for block in blocks[start : start + segment.blocks]:
+                if segment.recompute_norm and not routes_norm_relu_conv(block):
+                    raise ValueError(
+                        f"segment {segment} recomputes BatchNorm-ReLU outputs, but {type(block).__name__} does not "
+                        "route them through lowmem.residual.norm_relu_conv"
+                    )
+                set_recompute_norm(block, segment.recompute_norm)
+            start += segment.blocks
+        stored = all(segment.backprop == "stored" for segment in segments)
+        set_block_executor(stack, run_sequentially if stored else functools.partial(run_segments, segments=segments))
+
+
+def set_recompute_norm(block: nn.Module, recompute: bool) -> None:
+    """Make ``block`` recompute its BN-ReLU outputs in backward (``no_bn``) or keep them; a block
+    that does not route its triples through ``norm_relu_conv`` always keeps them."""
+    if routes_norm_relu_conv(block):
+        set_norm_relu_conv(block, recomputed_norm_relu_conv if recompute else plain_norm_relu_conv)
 
 
 # --- state replayed or isolated during recomputation -------------------------------------------
@@ -200,25 +274,38 @@ def _recomputation_input(
 # --- residual / residual_star: recompute a segment of blocks --------------------------------------
 
 
-def run_checkpointed_segments(
-    blocks: Sequence[nn.Module], x: torch.Tensor, context: tuple, every: int, recursive: bool = False
+def run_uniform_segments(
+    blocks: Sequence[nn.Module], x: torch.Tensor, context: tuple, strategy: str, every: int
 ) -> torch.Tensor:
-    """Block executor: run ``blocks`` in segments of ``every``, storing only each segment's input.
+    """Block executor of ``residual`` / ``residual_star``: segments of ``every`` blocks."""
+    return run_segments(blocks, x, context, uniform_schedule(strategy, every, len(blocks)))
 
-    recursive: backpropagate each segment the ``residual_star`` way (block outputs first, then one
-        block's graph at a time) instead of recomputing the whole segment's graph at once.
+
+def run_segments(
+    blocks: Sequence[nn.Module], x: torch.Tensor, context: tuple, segments: Sequence[Segment]
+) -> torch.Tensor:
+    """Block executor: run ``blocks`` in ``segments``; a checkpointed segment stores only its input.
+
+    Stored segments run plainly; ``all_at_once`` and ``recursively`` segments are one
+    ``_CheckpointedSegment`` each. (Which blocks recompute BN-ReLU is set per block by the caller.)
     """
     if not torch.is_grad_enabled():
         return run_sequentially(blocks, x, context)
     is_tensor = [isinstance(item, torch.Tensor) for item in context]
     context_tensors = [item for item in context if isinstance(item, torch.Tensor)]
-    for start in range(0, len(blocks), every):
-        segment = blocks[start : start + every]
+    start = 0
+    for segment in segments:
+        part = blocks[start : start + segment.blocks]
+        start += segment.blocks
+        if segment.backprop == "stored":
+            x = run_sequentially(part, x, context)
+            continue
         # Parameters are explicit inputs so their gradients are returned through autograd (hooks,
         # DDP and torch.autograd.grad see them) instead of being accumulated behind its back.
-        params = [p for block in segment for p in block.parameters() if p.requires_grad]
+        params = [p for block in part for p in block.parameters() if p.requires_grad]
+        recursive = segment.backprop == "recursively"
         x = _CheckpointedSegment.apply(
-            segment, context, is_tensor, recursive, x, len(context_tensors), *context_tensors, *params
+            part, context, is_tensor, recursive, x, len(context_tensors), *context_tensors, *params
         )
     return x
 
@@ -252,7 +339,7 @@ class _CheckpointedSegment(torch.autograd.Function):
         # needs_input_grad covers (segment, context, is_tensor, recursive, x, num_context_tensors, *tensors).
         needed = [ctx.needs_input_grad[4]] + list(ctx.needs_input_grad[6:])
         segment = _SegmentBackprop(ctx, context, leaves[1:], needed)
-        with ctx.autocast.restore(), scratch_running_stats(ctx.segment.modules()):
+        with ctx.autocast.restore(), scratch_running_stats(m for block in ctx.segment for m in block.modules()):
             if ctx.recursive:
                 grad = segment.recursively(leaves[0], aliases[0], grad_output)
             else:

@@ -1,0 +1,127 @@
+"""``python -m lowmem.plan +recipe=... plan.budget_mb=X [knobs to fix]``: the best configuration for a budget.
+
+Searches density, precision, microbatch size and checkpointing (``optimal`` included) for the
+configurations whose accounted total (the report's model + optimizer + activations, exactly as
+``lowmem.profile`` prints it for the first minibatch) is at most X MB (1e6 bytes); any searched
+knob given on the command line is fixed to that value (``lowmem.planning.search``). Preference:
+the highest density (accuracy), then the largest microbatch (speed), then the fewest FLOPs.
+
+Prints a table of the best ``plan.top`` configurations (accounted total, FLOPs, and the accuracy
+the report measured for them where it has a figure), then the chosen one built and profiled again
+as ``lowmem.profile`` would (``plan.verify=true``: with one real step, for its measured peak), and
+as the **last stdout line** one JSON object with ``"overrides"`` (``knob=value`` strings to add to
+the same command line for ``lowmem.train``) and ``"total_bytes"``. Also written to ``plan.json``
+in Hydra's run directory. When nothing fits, it fails (non-zero exit) naming the smallest
+achievable total and its configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from lowmem.config import ConfigError, register_configs
+from lowmem.planning.search import Candidate, Planner
+from lowmem.profiler import MB, profile_row
+from lowmem.run_files import save_json
+from lowmem.trainer import build_trainer
+
+register_configs()
+
+
+class NothingFits(ConfigError):
+    """No configuration of the search fits ``plan.budget_mb``."""
+
+    def __init__(self, budget_mb: float, smallest: Candidate, overrides: list[str]) -> None:
+        self.smallest = smallest
+        super().__init__(
+            f"plan.budget_mb={budget_mb:g}: nothing fits; the smallest achievable accounted total is "
+            f"{smallest.total_bytes / MB:.3f} MB (model {smallest.model_bytes / MB:.3f} + optimizer "
+            f"{smallest.optimizer_bytes / MB:.3f} + activations {smallest.activation_bytes / MB:.3f} MB) with "
+            f"{' '.join(overrides) or 'the knobs as fixed'}; allowed: plan.budget_mb >= {smallest.total_bytes / MB:.3f}"
+        )
+
+
+def table(planner: Planner, found: list[Candidate], budget_mb: float) -> str:
+    """The configurations that fit, best first, one line each (MB = 1e6 bytes)."""
+    metric = next((m[0] for m in map(planner.reported, found) if m is not None), "report's figure")
+    lines = [
+        f"configurations whose accounted total fits {budget_mb:g} MB, best first "
+        "(highest density, then largest microbatch, then fewest FLOPs):",
+        f"{'#':>3}  {'density':>7}  {'precision':<9}  {'microbatch':>10}  {'checkpointing':<15}  "
+        f"{'activations MB':>14}  {'total MB':>9}  {'GFLOP':>7}  {metric} (cost)",
+    ]
+    for rank, c in enumerate(found, start=1):
+        reported = planner.reported(c)
+        figure = "n/a" if reported is None else f"{reported[1]:.2f} ({-reported[2]:+.2f})"
+        microbatch = "none" if c.microbatch is None else str(c.microbatch)
+        lines.append(
+            f"{rank:>3}  {c.density:>7g}  {c.precision:<9}  {microbatch:>10}  {c.checkpointing:<15}  "
+            f"{c.activation_bytes / MB:>14.3f}  {c.total_bytes / MB:>9.3f}  {c.flops / 1e9:>7.1f}  {figure}"
+        )
+    return "\n".join(lines)
+
+
+def plan(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
+    """Search, print the table and the chosen configuration's profile; return the JSON row."""
+    budget_mb = cfg.plan.budget_mb
+    if budget_mb is None or budget_mb <= 0:
+        raise ConfigError(f"plan.budget_mb={budget_mb!r} is not allowed: lowmem.plan needs the budget, MB > 0")
+    if cfg.plan.top < 1:
+        raise ConfigError(f"plan.top={cfg.plan.top!r} is not allowed: a number of table rows >= 1")
+    started = time.perf_counter()
+    budget = round(budget_mb * MB)
+    planner = Planner(overrides, budget)
+    found = planner.search(cfg.plan.top)
+    if not found:
+        smallest = planner.smallest()
+        raise NothingFits(budget_mb, smallest, planner.overrides(smallest))
+    searched = time.perf_counter() - started
+    print(table(planner, found, budget_mb))
+    # The chosen configuration, built from its overrides as lowmem.train will build it.
+    for chosen in found:
+        report, row = profile_row(build_trainer(planner.compose(chosen)), cfg.plan.verify)
+        if row["total_bytes"] <= budget:
+            break
+        print(f"(#{found.index(chosen) + 1} profiled at {row['total_bytes'] / MB:.3f} MB when built alone: skipped)")
+    else:
+        raise ConfigError(f"plan.budget_mb={budget_mb:g}: no configuration found fits when built alone")
+    chosen_overrides = planner.overrides(chosen)
+    print(f"\nchosen: {' '.join(chosen_overrides) or '(the knobs as fixed)'}")
+    if chosen.schedule:
+        print(f"optimal checkpoint schedule (per stack, forward order): {chosen.schedule}")
+    print(report.table())
+    print(f"searched in {searched:.1f} s")
+    reported = planner.reported(chosen)
+    return {
+        "overrides": chosen_overrides,
+        "total_bytes": row["total_bytes"],
+        "model_bytes": row["model_bytes"],
+        "optimizer_bytes": row["optimizer_bytes"],
+        "activation_bytes": row["activation_bytes"],
+        "flops": row["flops"],
+        "peak_bytes": row["peak_bytes"],
+        "budget_bytes": budget,
+        "configuration": chosen.knobs(),
+        "checkpointing_schedule": chosen.schedule or None,
+        "reported": None if reported is None else dict(zip(("metric", "value", "cost"), reported, strict=True)),
+        "search_seconds": round(searched, 2),
+    }
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    row = plan(cfg, list(HydraConfig.get().overrides.task))
+    save_json(row, Path(HydraConfig.get().runtime.output_dir) / "plan.json")
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

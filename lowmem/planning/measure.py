@@ -1,0 +1,275 @@
+"""The per-block figures the checkpointing DP reasons with, measured on fake tensors.
+
+``measure_chain(trainer)`` profiles the trainer's own microbatch step (``microbatch_backward``,
+what ``lowmem.profile`` accounts) on the first minibatch, every figure through
+``lowmem.profiler.account_activations`` (fake tensors: shapes, no compute):
+
+1. passes with every residual stack *detached*: a recording executor notes what each stack is
+   called with (inputs, context, autocast), runs its blocks without autograd and hands on their
+   output. The pass then holds everything but the stacks' own memory: its peak is what the rest
+   of the model needs with the stacks' stored bytes on top (``outside_peak``: in forward and the
+   head's backward); with the output's gradient passed on to the stack's input as zeros (the
+   backward of what precedes the stacks runs too), its FLOPs less the blocks' forwards are the
+   rest's.
+2. per stack, the same pass stopped where the stack starts: what forward holds outside the stacks
+   while it runs (``held_outside``).
+3. every distinct block (same module, parameters, input and context shapes) alone, once per way it
+   can run: stored with and without BN-ReLU recomputation, and as a one-block checkpointed segment
+   ``all_at_once`` and ``recursively``, from a fake input, backward from a fake gradient.
+
+Several microbatch shapes (translation's token microbatches) are measured one by one and merged:
+bytes take the largest (so the modelled peak bounds every shape's), FLOPs add up over the
+minibatch. Measuring WRN-28-2 takes about a second; the model and its recorded inputs stay the
+trainer's, and every stack runs plainly afterwards (apply a schedule).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowmem.planning.schedule import BlockCosts, ChainCosts
+from lowmem.profiler import ActivationTrace, account_activations, batch_shapes
+from lowmem.residual import residual_stacks, routes_norm_relu_conv, set_block_executor
+from lowmem.techniques.checkpointing import Segment, apply_checkpointing, run_segments, set_recompute_norm
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    """Shape, strides, dtype and device of a tensor, to make a fake one like it in another pass."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, requires_grad: bool | None = None) -> _TensorSpec:
+        grad = tensor.requires_grad if requires_grad is None else requires_grad
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device, grad)
+
+    def make(self) -> torch.Tensor:
+        """A tensor like the recorded one (fake inside the accounting's fake mode)."""
+        tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        return tensor.requires_grad_(self.requires_grad and tensor.is_floating_point())
+
+
+@dataclass
+class _StackCall:
+    """What one residual stack was called with in the recorded pass."""
+
+    stack: int  # index in lowmem.residual.residual_stacks order
+    inputs: list[_TensorSpec]  # each block's input, then the stack's output
+    context: tuple  # _TensorSpec for tensors, the values themselves otherwise
+    autocast: tuple[str, bool, torch.dtype]
+
+    def make_context(self) -> tuple:
+        return tuple(item.make() if isinstance(item, _TensorSpec) else item for item in self.context)
+
+    def autocast_context(self) -> torch.autocast:
+        device_type, enabled, dtype = self.autocast
+        return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+
+
+class _StackReached(Exception):
+    """Raised by the recording executor where a measuring pass stops."""
+
+
+class _Recorder:
+    """Block executor of a measuring pass (see the module docstring, steps 1 and 2)."""
+
+    def __init__(self, stop_at: int | None = None, backprop_before: bool = False) -> None:
+        self.calls: list[_StackCall] = []
+        self.kept: list[torch.Tensor] = []
+        self.stop_at = stop_at
+        self.backprop_before = backprop_before  # run the backward of what comes before the stacks
+
+    def run(self, stack: int, blocks: Sequence[nn.Module], x: torch.Tensor, context: tuple) -> torch.Tensor:
+        if len(self.calls) == self.stop_at:
+            raise _StackReached
+        if not torch.is_grad_enabled():
+            raise RuntimeError("measuring checkpoint costs needs a training step with autograd on")
+        self.kept.append(x)  # the graph before the stack stays alive, as in the real step
+        device = x.device.type
+        call = _StackCall(
+            stack,
+            [],
+            tuple(_TensorSpec.of(item) if isinstance(item, torch.Tensor) else item for item in context),
+            (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)),
+        )
+        needs_grad = x.requires_grad
+        with torch.no_grad():
+            for block in blocks:
+                call.inputs.append(_TensorSpec.of(x, needs_grad))
+                x = block(x, *context)
+                needs_grad = needs_grad or any(p.requires_grad for p in block.parameters())
+            call.inputs.append(_TensorSpec.of(x, needs_grad))
+        self.calls.append(call)
+        if self.backprop_before and self.kept[-1].requires_grad:
+            return _Bridge.apply(self.kept[-1], x)
+        return x.requires_grad_(needs_grad)
+
+
+class _Bridge(torch.autograd.Function):
+    """``output``, whose gradient reaches ``stack_input`` as zeros: the graph before a detached
+    stack is still backpropagated (its FLOPs), the stack costs nothing."""
+
+    @staticmethod
+    def forward(ctx, stack_input: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        ctx.input_shape, ctx.input_dtype, ctx.input_device = stack_input.shape, stack_input.dtype, stack_input.device
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.zeros(ctx.input_shape, dtype=ctx.input_dtype, device=ctx.input_device), None
+
+
+def measure_chain(trainer: Any) -> ChainCosts:
+    """The DP's figures for ``trainer``'s first minibatch (see the module docstring).
+
+    trainer: a ``lowmem.trainer.Trainer`` (only ``unwrapped_model``, ``example_batch``,
+        ``microbatches`` and ``microbatch_backward`` are used: the planner does not import it).
+    """
+    model = trainer.unwrapped_model
+    if not residual_stacks(model):
+        raise ValueError(
+            f"checkpointing.strategy=optimal needs residual blocks, but {type(model).__name__} exposes none "
+            "(a non-empty `residual_blocks` nn.ModuleList); use checkpointing.strategy=none"
+        )
+    model.train()
+    batch = trainer.example_batch()
+    distinct: dict[tuple, list] = {}
+    for part, weight in trainer.microbatches(batch):
+        key = tuple(sorted((name, tuple(shape)) for name, shape in batch_shapes(part).items()))
+        distinct.setdefault(key, [part, weight, 0])[2] += 1
+    try:
+        chains = [(_measure_microbatch(trainer, part, weight), count) for part, weight, count in distinct.values()]
+    finally:
+        apply_checkpointing(model, "none")
+    return _merge(chains)
+
+
+def _step(trainer: Any, weight: float, part: Any) -> None:
+    try:
+        trainer.microbatch_backward(part, weight, local=True)
+    except _StackReached:
+        pass
+
+
+def _measure_microbatch(trainer: Any, part: Any, weight: float) -> ChainCosts:
+    model = trainer.unwrapped_model
+    stacks = residual_stacks(model)
+    step = functools.partial(_step, trainer, weight)
+
+    def recorded_pass(stop_at: int | None, backprop_before: bool = False) -> tuple[ActivationTrace, _Recorder]:
+        recorder = _Recorder(stop_at, backprop_before)
+        for index, stack in enumerate(stacks):
+            set_block_executor(stack, functools.partial(recorder.run, index))
+        return account_activations(step, model, inputs=part), recorder
+
+    whole, recorder = recorded_pass(None, backprop_before=True)  # FLOPs: the whole step but the stacks
+    # Memory: without the backward of what comes before the stacks, which runs after theirs, when
+    # they hold nothing (it is block 0's moment: its incoming gradient leaves it), so the stacks'
+    # stored bytes never sit on top of it.
+    outside_peak = recorded_pass(None)[0].activation_bytes
+    calls = recorder.calls
+    if sorted(call.stack for call in calls) != list(range(len(stacks))):
+        raise ValueError("checkpointing.strategy=optimal needs every residual stack to run exactly once per forward")
+    held_outside = tuple(recorded_pass(position)[0].activation_bytes for position in range(len(calls)))
+    apply_checkpointing(model, "none")
+    measured: dict[tuple, BlockCosts] = {}
+    blocks = []
+    for call in calls:
+        for index, block in enumerate(stacks[call.stack].residual_blocks):
+            key = _signature(block, call, index)
+            if key not in measured:
+                measured[key] = _measure_block(block, call, index)
+            blocks.append(measured[key])
+    sizes = tuple(len(stacks[call.stack].residual_blocks) for call in calls)
+    # The recorded pass ran every block's forward once, without autograd, besides the rest.
+    outside_flops = whole.flops - sum(block.forward_flops for block in blocks)
+    order = tuple(call.stack for call in calls)
+    return ChainCosts(tuple(blocks), sizes, held_outside, outside_peak, outside_flops, order)
+
+
+def _signature(block: nn.Module, call: _StackCall, index: int) -> tuple:
+    """Blocks with equal signatures cost the same: same structure, parameters and inputs."""
+    params = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters())
+    return (repr(block), params, call.inputs[index], repr(call.context), call.autocast, routes_norm_relu_conv(block))
+
+
+def _measure_block(block: nn.Module, call: _StackCall, index: int) -> BlockCosts:
+    """One block's figures: a fake forward + backward per way it can run (only the block's own
+    parameters and buffers are swapped for fake ones: it reads no other model state)."""
+    spec = call.inputs[index]
+
+    def run(segment: Segment) -> Callable[[], None]:
+        def step() -> None:
+            set_recompute_norm(block, segment.recompute_norm)
+            x = spec.make()
+            with call.autocast_context():
+                out = run_segments([block], x.view_as(x), call.make_context(), (segment,))
+            out.backward(torch.empty_like(out))
+
+        return step
+
+    routes = routes_norm_relu_conv(block)
+    norms = (False, True) if routes else (False,)
+    traces = {
+        (backprop, norm): account_activations(run(Segment(1, backprop, norm)), block)
+        for backprop in ("stored", "all_at_once")
+        for norm in norms
+    }
+    if routes:
+        traces[("recursively", True)] = account_activations(run(Segment(1, "recursively", True)), block)
+    else:  # one block recursively is all_at_once: no input to recompute, no convolution to skip
+        traces[("recursively", False)] = traces[("all_at_once", False)]
+    stored = traces[("stored", False)]
+    output = call.inputs[index + 1]
+    return BlockCosts(
+        input_bytes=traces[("all_at_once", False)].stored_before_backward,
+        output_bytes=math.prod(output.shape) * output.dtype.itemsize,
+        stored_bytes={norm: traces[("stored", norm)].stored_before_backward for norm in norms},
+        peak_bytes={key: trace.activation_bytes for key, trace in traces.items()},
+        flops=stored.flops,
+        forward_flops=traces[("all_at_once", False)].flops - stored.flops,
+        rebuild_flops=traces[("recursively", routes)].flops - stored.flops,
+        routes_norm=routes,
+    )
+
+
+def _merge(chains: list[tuple[ChainCosts, int]]) -> ChainCosts:
+    """One chain standing for microbatches of several shapes, ``count`` of each: bytes are the
+    largest over the shapes, FLOPs the sum over the minibatch."""
+    first = chains[0][0]
+    blocks = []
+    for position in range(len(first.blocks)):
+        figures = [(chain.blocks[position], count) for chain, count in chains]
+        costs = [block for block, _ in figures]
+        blocks.append(
+            BlockCosts(
+                input_bytes=max(b.input_bytes for b in costs),
+                output_bytes=max(b.output_bytes for b in costs),
+                stored_bytes={k: max(b.stored_bytes[k] for b in costs) for k in first.blocks[position].stored_bytes},
+                peak_bytes={k: max(b.peak_bytes[k] for b in costs) for k in first.blocks[position].peak_bytes},
+                flops=sum(b.flops * n for b, n in figures),
+                forward_flops=sum(b.forward_flops * n for b, n in figures),
+                rebuild_flops=sum(b.rebuild_flops * n for b, n in figures),
+                routes_norm=first.blocks[position].routes_norm,
+            )
+        )
+    return ChainCosts(
+        tuple(blocks),
+        first.stack_sizes,
+        tuple(max(chain.held_outside[i] for chain, _ in chains) for i in range(len(first.held_outside))),
+        max(chain.outside_peak for chain, _ in chains),
+        sum(chain.outside_flops * count for chain, count in chains),
+        first.stack_indices,
+    )

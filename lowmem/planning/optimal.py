@@ -1,0 +1,186 @@
+"""``checkpointing.strategy=optimal checkpointing.budget_mb=X``: checkpoints placed under a budget.
+
+``apply_optimal_checkpointing(trainer, budget_mb)`` makes the trainer's model run the schedule with
+the fewest FLOPs whose accounted activations (the report's definition, as ``lowmem.profile``
+prints them for the first minibatch) are at most ``budget_mb``:
+
+1. the per-block figures are measured on fake tensors (``lowmem.planning.measure``, ~1 s);
+2. the schedule with the smallest modelled peak is applied and accounted for real
+   (``profile_trainer``): above the budget, no schedule fits and a ConfigError names
+   ``checkpointing.budget_mb`` with that smallest reachable figure;
+3. the DP's cheapest schedule within the budget less the model's error on the schedule accounted
+   last is applied and accounted; the next target moves by that schedule's error (down when it
+   was over budget, up when it left room), until the DP repeats a schedule or
+   ``MAX_ACCOUNTINGS`` are spent. The cheapest schedule whose *real* accounting fits is kept, so
+   the promise holds for the real figure, not only the model's (on WRN-28-2 the model is exact
+   and one schedule is accounted after the smallest; where it is not, e.g. a decoder whose blocks
+   all save the encoder's output, this is what corrects it).
+
+Deterministic: the same configuration and minibatch give the same schedule, so ``lowmem.plan``'s
+figures are those a run of its overrides gets.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lowmem import distributed
+from lowmem.config import ConfigError
+from lowmem.planning.measure import measure_chain
+from lowmem.planning.schedule import ChainCosts, Plan, cheapest_plan, describe, smallest_plan
+from lowmem.profiler import MB, profile_trainer
+from lowmem.techniques.checkpointing import Segment, apply_schedule
+
+log = logging.getLogger("lowmem")
+MAX_ACCOUNTINGS = 6  # schedules accounted per budget, after the smallest one
+
+
+@dataclass(frozen=True)
+class OptimalCheckpointing:
+    """The schedule applied and its real accounting (one minibatch; bytes, FLOPs)."""
+
+    schedules: tuple[tuple[Segment, ...], ...]  # per residual stack, residual_stacks order
+    description: str  # the schedule per stack in forward order (``describe``)
+    activation_bytes: int  # accounted, as lowmem.profile reports it
+    flops: int
+    smallest_bytes: int  # the smallest accounted activations any schedule reached
+    accountings: int  # real accountings spent (the smallest schedule's included)
+
+
+@dataclass(frozen=True)
+class AccountedSchedule:
+    """A schedule (with its modelled figures) and its real accounting: bytes, FLOPs."""
+
+    plan: Plan
+    activation_bytes: int
+    flops: int
+
+
+class BudgetTooSmall(ConfigError):
+    """No schedule's accounted activations fit ``checkpointing.budget_mb``."""
+
+    def __init__(self, budget_bytes: int, smallest: AccountedSchedule) -> None:
+        self.smallest_bytes = smallest.activation_bytes
+        super().__init__(
+            f"checkpointing.budget_mb={budget_bytes / MB:g} is below what any checkpoint placement reaches "
+            f"for this configuration: the smallest reachable is {smallest.activation_bytes / MB:.6f} MB of "
+            f"accounted activations ({smallest.plan}); allowed: checkpointing.budget_mb >= "
+            f"{smallest.activation_bytes / MB:.6f} (or a smaller microbatch.size, or 16-bit precision)"
+        )
+
+
+class CheckpointPlacement:
+    """Schedules for one trainer's model, accounted for real on its first minibatch (cached).
+
+    trainer: a ``lowmem.trainer.Trainer`` over the model to checkpoint (see ``measure_chain``);
+    its model runs whichever schedule was accounted or applied last.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self._costs: ChainCosts | None = None
+        self._accounted: dict[str, AccountedSchedule] = {}
+        self._smallest: AccountedSchedule | None = None
+
+    @property
+    def costs(self) -> ChainCosts:
+        """The per-block figures (measured on first use, ~1 s for WRN-28-2)."""
+        if self._costs is None:
+            with self._own_random_streams():
+                self._costs = measure_chain(self.trainer)
+        return self._costs
+
+    @property
+    def accountings(self) -> int:
+        """Real accountings run so far (~0.3 s each for WRN-28-2)."""
+        return len(self._accounted)
+
+    def smallest(self) -> AccountedSchedule:
+        """The schedule with the smallest modelled peak, accounted."""
+        if self._smallest is None:
+            self._smallest = self._account(smallest_plan(self.costs))
+        return self._smallest
+
+    def cheapest(self, budget: int) -> AccountedSchedule:
+        """The cheapest schedule found whose accounted activations fit ``budget`` bytes (the
+        module docstring's step 3); raises ``BudgetTooSmall`` when even the smallest does not."""
+        smallest = self.smallest()
+        if smallest.activation_bytes > budget:
+            raise BudgetTooSmall(budget, smallest)
+        # Only this call's schedules steer it (the cache saves work, never changes the answer):
+        # a fresh trainer built from lowmem.plan's overrides must reach the same schedule.
+        seen: dict[str, AccountedSchedule] = {}
+        best = smallest
+        target = budget - (smallest.activation_bytes - smallest.plan.peak_bytes)
+        for _ in range(MAX_ACCOUNTINGS):
+            plan = cheapest_plan(self.costs, target)
+            if plan is None:
+                break  # tightened below the smallest modelled peak
+            if str(plan) in seen and seen[str(plan)].activation_bytes <= budget:
+                break  # the DP repeats a schedule that fits: nothing new to learn
+            accounted = seen[str(plan)] = self._account(plan)
+            fits = accounted.activation_bytes <= budget
+            if fits:
+                best = min(best, accounted, key=_preference)
+            error = accounted.activation_bytes - plan.peak_bytes  # the model's error on this schedule
+            # Within budget: as loose as this schedule's error allows; over: tighter by the excess.
+            excess = accounted.activation_bytes - budget
+            target = budget - error if fits else min(budget - error, target - excess)
+        return best
+
+    def apply(self, accounted: AccountedSchedule) -> tuple[tuple[Segment, ...], ...]:
+        """Make the model run ``accounted``'s schedule; the schedules per stack (model order)."""
+        schedules = tuple(self.costs.in_model_order(accounted.plan.schedules))
+        apply_schedule(self.trainer.unwrapped_model, schedules)
+        return schedules
+
+    def _account(self, plan: Plan) -> AccountedSchedule:
+        key = str(plan)
+        if key not in self._accounted:
+            apply_schedule(self.trainer.unwrapped_model, self.costs.in_model_order(plan.schedules))
+            with self._own_random_streams():
+                report = profile_trainer(self.trainer, measure=False)
+            self._accounted[key] = AccountedSchedule(plan, report.activation_bytes, report.flops)
+        return self._accounted[key]
+
+    def _own_random_streams(self) -> Any:
+        """Fake passes only, but no generator of the run may move because of them."""
+        device = self.trainer.device
+        return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+def _preference(accounted: AccountedSchedule) -> tuple[int, int]:
+    return accounted.flops, accounted.activation_bytes
+
+
+def apply_optimal_checkpointing(trainer: Any, budget_mb: float) -> OptimalCheckpointing:
+    """Apply to ``trainer``'s model the cheapest schedule whose accounted activations fit ``budget_mb``
+    (MB = 1e6 bytes); raise ``BudgetTooSmall`` (a ConfigError) when none does.
+
+    trainer: a ``lowmem.trainer.Trainer`` over the model to checkpoint (see ``measure_chain``).
+    """
+    budget = round(budget_mb * MB)
+    placement = CheckpointPlacement(trainer)
+    best = placement.cheapest(budget)
+    result = OptimalCheckpointing(
+        placement.apply(best),
+        describe(best.plan.schedules),
+        best.activation_bytes,
+        best.flops,
+        placement.smallest().activation_bytes,
+        placement.accountings,
+    )
+    if distributed.is_rank0():
+        log.info(
+            "checkpointing optimal within %.6f MB: %s (accounted %.3f MB, %.2f GFLOP; smallest reachable %.3f MB)",
+            budget / MB,
+            result.description,
+            result.activation_bytes / MB,
+            result.flops / 1e9,
+            result.smallest_bytes / MB,
+        )
+    return result

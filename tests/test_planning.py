@@ -1,0 +1,259 @@
+"""Checkpoint placement by dynamic programming (checkpointing.strategy=optimal) and lowmem.plan."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lowmem.config import ConfigError
+from lowmem.plan import plan
+from lowmem.planning.measure import measure_chain
+from lowmem.planning.optimal import BudgetTooSmall
+from lowmem.planning.schedule import BlockCosts, ChainCosts, cheapest_plan, predict, smallest_plan
+from lowmem.planning.search import DENSITIES, Planner
+from lowmem.profile import profile_config
+from lowmem.profiler import MB, profile_trainer
+from lowmem.residual import residual_stacks
+from lowmem.techniques.checkpointing import Segment, apply_checkpointing, uniform_schedule
+from lowmem.trainer import build_trainer
+from tests.helpers import ROOT, SMALL_DC, TINY_WRN, make_config
+
+# --- the dynamic program against brute force ---------------------------------------------------
+
+
+def synthetic_chain(seed: int, sizes: tuple[int, ...]) -> ChainCosts:
+    """Blocks with random figures (some can recompute BN-ReLU, some cannot), in stacks of ``sizes``."""
+    rng = random.Random(seed)
+    blocks = []
+    for _ in range(sum(sizes)):
+        routes = rng.random() < 0.6
+        norms = (False, True) if routes else (False,)
+        stored = {False: rng.randint(50, 100)}
+        if routes:
+            stored[True] = rng.randint(20, stored[False])
+        kinds = ("stored", "all_at_once")
+        peaks = {(kind, norm): stored[norm] + rng.randint(10, 60) for kind in kinds for norm in norms}
+        peaks[("recursively", routes)] = rng.randint(30, 90)
+        flops = rng.randint(100, 200)
+        blocks.append(
+            BlockCosts(
+                input_bytes=rng.randint(5, 20), output_bytes=rng.randint(5, 20), stored_bytes=stored,
+                peak_bytes=peaks, flops=flops, forward_flops=rng.randint(20, 60), rebuild_flops=rng.randint(5, 40),
+                routes_norm=routes,
+            )
+        )  # fmt: skip
+    held = tuple(rng.randint(0, 30) for _ in sizes)
+    return ChainCosts(tuple(blocks), sizes, held, rng.randint(10, 80), outside_flops=7)
+
+
+def every_schedule(blocks: list[BlockCosts]) -> list[tuple[Segment, ...]]:
+    """All schedules of one stack (what the DP chooses among)."""
+    if not blocks:
+        return [()]
+    found = []
+    for length in range(1, len(blocks) + 1):
+        routes = {b.routes_norm for b in blocks[:length]}
+        norms = (False, True) if routes == {True} else (False,)
+        kinds = [Segment(length, "all_at_once", norm) for norm in norms]
+        if length == 1:
+            kinds += [Segment(1, "stored", norm) for norm in norms]
+        if len(routes) == 1:
+            kinds.append(Segment(length, "recursively", routes.pop()))
+        for kind, rest in itertools.product(kinds, every_schedule(blocks[length:])):
+            found.append((kind, *rest))
+    return found
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_matches_brute_force(seed):
+    costs = synthetic_chain(seed, (3, 2))
+    stacks = [every_schedule(list(costs.blocks[:3])), every_schedule(list(costs.blocks[3:]))]
+    figures = [predict(costs, schedules) for schedules in itertools.product(*stacks)]
+    assert len(figures) > 100
+    smallest = min(peak for peak, _ in figures)
+    assert smallest_plan(costs).peak_bytes == smallest
+    assert predict(costs, smallest_plan(costs).schedules)[0] == smallest
+    largest = max(peak for peak, _ in figures)
+    for budget in sorted({smallest, (smallest + largest) // 2, largest, smallest + 7}):
+        best = min(flops for peak, flops in figures if peak <= budget)
+        chosen = cheapest_plan(costs, budget)
+        assert chosen is not None and chosen.flops == best, f"budget {budget}"
+        assert predict(costs, chosen.schedules) == (chosen.peak_bytes, chosen.flops)
+        assert chosen.peak_bytes <= budget
+    assert cheapest_plan(costs, smallest - 1) is None
+
+
+# --- optimal checkpointing through the trainer (tiny WRN-10-1, batch 20, FP32) -----------------
+
+
+@pytest.fixture(scope="module")
+def tiny_chain():
+    trainer = build_trainer(make_config(*TINY_WRN))
+    return trainer, measure_chain(trainer)
+
+
+def test_cost_model_is_the_accounting_for_the_fixed_strategies(tiny_chain):
+    """On WRN the model of lowmem.planning.schedule predicts the profiler's figures: FLOPs exactly,
+    activation bytes within a few per-channel statistics (exactly, on WRN-28-2)."""
+    trainer, costs = tiny_chain
+    model = trainer.unwrapped_model
+    (stack,) = residual_stacks(model)
+    for strategy, every in [("none", 1), ("no_bn", 1), ("residual", 2), ("residual_star", 1), ("residual_star", 2)]:
+        apply_checkpointing(model, strategy, every)
+        report = profile_trainer(trainer, measure=False)
+        peak, flops = predict(costs, [uniform_schedule(strategy, every, len(stack.residual_blocks))])
+        assert flops == report.flops, strategy
+        assert abs(peak - report.activation_bytes) <= 512, strategy
+    apply_checkpointing(model, "none")
+
+
+def profiled(*overrides: str) -> dict:
+    return profile_config(make_config(*TINY_WRN, *overrides), measure=False)
+
+
+def test_optimal_honours_the_budget_with_fewer_flops(tiny_chain):
+    star = profiled("checkpointing.strategy=residual_star", "checkpointing.every=2")
+    budget = star["activation_bytes"]
+    optimal = profiled("checkpointing.strategy=optimal", f"checkpointing.budget_mb={budget / MB!r}")
+    assert optimal["activation_bytes"] <= budget
+    assert optimal["flops"] < star["flops"]
+    # A loose budget buys fewer FLOPs, down to none's when everything fits.
+    none = profiled()
+    loose = profiled("checkpointing.strategy=optimal", f"checkpointing.budget_mb={none['activation_bytes'] / MB!r}")
+    assert loose["flops"] == none["flops"] and loose["activation_bytes"] <= none["activation_bytes"]
+
+
+def test_optimal_trains_like_none(tiny_chain):
+    """Same parameters and BatchNorm statistics (updated once) as strategy none after two steps."""
+    star = profiled("checkpointing.strategy=residual_star", "checkpointing.every=2")
+    optimal = ("checkpointing.strategy=optimal", f"checkpointing.budget_mb={star['activation_bytes'] / MB!r}")
+    states = []
+    for overrides in [(), optimal]:
+        trainer = build_trainer(make_config(*TINY_WRN, *overrides))
+        batch = trainer.example_batch()
+        for _ in range(2):
+            trainer.train_step(batch)
+        states.append(trainer.unwrapped_model.state_dict())
+    assert states[0].keys() == states[1].keys()
+    for name, value in states[0].items():
+        assert torch.equal(value, states[1][name]), name
+        if name.endswith("num_batches_tracked"):
+            assert int(states[1][name]) == 2, name
+
+
+def test_too_small_budget_names_the_knob_and_the_smallest_figure(tiny_chain):
+    with pytest.raises(BudgetTooSmall, match=r"checkpointing.budget_mb=0.001 .*smallest reachable is") as error:
+        build_trainer(make_config(*TINY_WRN, "checkpointing.strategy=optimal", "checkpointing.budget_mb=0.001"))
+    smallest = error.value.smallest_bytes
+    # The figure is reachable: exactly that budget builds, and the profile honours it.
+    assert (
+        profiled("checkpointing.strategy=optimal", f"checkpointing.budget_mb={smallest / MB!r}")["activation_bytes"]
+        == smallest
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [(("checkpointing.strategy=optimal",), "checkpointing.budget_mb=None .*needs a budget"),
+     (("checkpointing.strategy=optimal", "checkpointing.budget_mb=-1"), "checkpointing.budget_mb=-1"),
+     (("checkpointing.strategy=residual", "checkpointing.budget_mb=5"), "only with checkpointing.strategy=optimal"),
+     (("checkpointing.strategy=optimum",), "one of none, no_bn, residual, residual_star, optimal")],
+)  # fmt: skip
+def test_bad_checkpointing_knobs_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build_trainer(make_config(*TINY_WRN, *overrides))
+
+
+# --- the planner -------------------------------------------------------------------------------
+
+
+def test_state_without_masks_equals_built_sparse_trainers():
+    planner = Planner([*TINY_WRN, "microbatch.size=5"], budget_bytes=10**9)
+    for density, precision in [(0.5, "fp32"), (0.05, "fp16"), (1.0, "fp16")]:
+        row = profiled(f"sparsity.density={density}", f"precision={precision}")
+        state = planner.state_bytes(density, precision)
+        assert (state.model_bytes, state.optimizer_bytes) == (row["model_bytes"], row["optimizer_bytes"])
+
+
+def preference(candidate, batch: int) -> tuple:
+    microbatch = batch if candidate.microbatch is None else candidate.microbatch
+    return -candidate.density, -microbatch, candidate.flops
+
+
+@pytest.fixture(scope="module")
+def wrn_plan():
+    """A budget that dense FP32 misses at any microbatch and schedule, planned over FP32."""
+    with pytest.raises(BudgetTooSmall) as error:  # the smallest activations at the smallest microbatch
+        build_trainer(make_config(*TINY_WRN, "microbatch.size=2", "checkpointing.strategy=optimal",
+                                  "checkpointing.budget_mb=1e-6"))  # fmt: skip
+    dense = profiled()
+    budget = dense["model_bytes"] + dense["optimizer_bytes"] + error.value.smallest_bytes - 1
+    planner = Planner([*TINY_WRN, "precision=fp32", f"plan.budget_mb={budget / MB}"], budget)
+    return planner, planner.search(top=6), budget
+
+
+def test_planner_follows_the_preference_and_fits(wrn_plan):
+    planner, found, budget = wrn_plan
+    assert found and all(c.precision == "fp32" for c in found)
+    keys = [preference(c, 20) for c in found]
+    assert keys == sorted(keys)
+    best = found[0]
+    assert best.density < 1.0  # dense misses the budget at every microbatch
+    row = profile_config(planner.compose(best), measure=False)
+    assert row["total_bytes"] == best.total_bytes <= budget
+    # Nothing denser fits, nor a larger microbatch at the chosen density.
+    denser = DENSITIES[DENSITIES.index(best.density) - 1]
+    assert Planner([*TINY_WRN, "precision=fp32", f"sparsity.density={denser}"], budget).search(top=1) == []
+    sizes = planner.microbatches
+    if best.microbatch != sizes[0]:
+        larger = sizes[sizes.index(best.microbatch) - 1]
+        fixed = [f"sparsity.density={best.density}", f"microbatch.size={'null' if larger is None else larger}"]
+        assert Planner([*TINY_WRN, "precision=fp32", *fixed], budget).search(top=1) == []
+
+
+def test_plan_command_prints_overrides_that_fit(wrn_plan, capsys):
+    _, _, budget = wrn_plan
+    cfg = make_config(*TINY_WRN, "precision=fp32", f"plan.budget_mb={budget / MB!r}", "plan.top=3")
+    row = plan(cfg, [*TINY_WRN, "precision=fp32", f"plan.budget_mb={budget / MB!r}", "plan.top=3"])
+    printed = capsys.readouterr().out
+    assert "best first" in printed and "chosen:" in printed
+    assert all(o.split("=")[0] != "precision" for o in row["overrides"])  # fixed on the command line
+    again = profile_config(make_config(*TINY_WRN, "precision=fp32", *row["overrides"]), measure=False)
+    assert again["total_bytes"] == row["total_bytes"] <= budget
+
+
+def test_nothing_fits_names_the_smallest_and_exits_non_zero():
+    command = [sys.executable, "-m", "lowmem.plan", *TINY_WRN, "precision=fp16", "plan.budget_mb=0.01",
+               "hydra.run.dir=/tmp/lowmem-test-plan"]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "nothing fits; the smallest achievable accounted total is" in output, output[-2000:]
+    # The configuration it names reaches the figure it names.
+    planner = Planner([*TINY_WRN, "precision=fp16"], budget_bytes=10_000)
+    assert planner.search(top=1) == []
+    smallest = planner.smallest()
+    assert f"{smallest.total_bytes / MB:.3f} MB" in output
+    assert profile_config(planner.compose(smallest), measure=False)["total_bytes"] == smallest.total_bytes
+
+
+def test_dc_iwslt_small_shapes():
+    """The same planner and optimal checkpointing on the translation recipe (two stacks, no BN)."""
+    fixed = [*SMALL_DC, "precision=fp32", "microbatch.size=null"]
+    none = profile_config(make_config(*fixed), measure=False)
+    residual = profile_config(make_config(*fixed, "checkpointing.strategy=residual"), measure=False)
+    budget = (none["activation_bytes"] + residual["activation_bytes"]) // 2
+    optimal = profile_config(
+        make_config(*fixed, "checkpointing.strategy=optimal", f"checkpointing.budget_mb={budget / MB!r}"), measure=False
+    )
+    assert optimal["activation_bytes"] <= budget and optimal["flops"] <= residual["flops"]
+    total = none["total_bytes"] - 1  # dense without checkpointing misses by a byte
+    planner = Planner(fixed, total)
+    found = planner.search(top=3)
+    assert found and found[0].density == 1.0 and found[0].strategy != "none"
+    assert profile_config(planner.compose(found[0]), measure=False)["total_bytes"] <= total
