@@ -7,6 +7,7 @@ the *global* minibatch: each rank trains on its 1/WORLD_SIZE share.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,3 +92,12 @@ def check_identical(value: int, what: str, device: torch.device) -> None:
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     if int(low) != int(high):
         raise RuntimeError(f"{what} differ between data-parallel ranks (checksums {int(low)} .. {int(high)})")
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """``value`` from every rank, in rank order (picklable objects; ``[value]`` in one process)."""
+    if world_size() == 1:
+        return [value]
+    values: list[Any] = [None] * world_size()
+    dist.all_gather_object(values, value)
+    return values

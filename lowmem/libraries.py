@@ -56,8 +56,15 @@ def configure_libraries(
     device: torch.device, workspaces: str = "default", deterministic: bool = False
 ) -> dict[str, str]:
     """Apply ``trainer.workspaces`` and ``trainer.deterministic`` for a run on ``device``; returns the
-    library environment in force (what was set here or already set by the user)."""
+    library environment in force (what was set here or already set by the user). ValueError (naming
+    the knob) when the user's environment makes a deterministic CUDA run impossible."""
     wanted = library_environment(workspaces, deterministic)
+    configured = os.environ.get("CUBLAS_WORKSPACE_CONFIG", _DETERMINISTIC_CUBLAS[0])
+    if deterministic and device.type == "cuda" and configured not in _DETERMINISTIC_CUBLAS:
+        raise ValueError(
+            f"trainer.deterministic=true needs a reproducible cuBLAS workspace, but the environment sets "
+            f"CUBLAS_WORKSPACE_CONFIG={configured}: unset it or set one of {', '.join(_DETERMINISTIC_CUBLAS)}"
+        )
     in_force = {}
     for name, value in wanted.items():
         current = os.environ.setdefault(name, value)

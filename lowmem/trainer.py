@@ -98,10 +98,12 @@ class Trainer:
         self.microbatch_mode = microbatch_mode(cfg)
         # Each microbatch's forward and backward: eagerly, or (trainer.cuda_graphs=auto, CUDA, one
         # process) captured once per repeating shape and replayed. Autocast on the device the
-        # microbatch is on: the training device, or the CPU for the profiler's fake pass
-        # (lowmem.profiler.activations).
+        # model's parameters are on: the training device, or the CPU for the profiler's fake pass
+        # (lowmem.profiler.activations swaps them for CPU stand-ins).
         self.eager_microbatches = EagerMicrobatches(
-            recipe.loss, self.scaler, lambda part: autocast_context(policy, batch_device(part, device))
+            recipe.loss,
+            self.scaler,
+            lambda part: autocast_context(policy, model_device(self.unwrapped_model, device)),
         )
         self.microbatch_runner = make_microbatch_runner(
             cfg.trainer.cuda_graphs,
@@ -110,7 +112,10 @@ class Trainer:
             device,
             data_parallel=distributed.world_size() > 1,
         )
-        tune_convolutions(self.unwrapped_model, device)  # CUDA: cuDNN times each convolution shape once
+        # CUDA: cuDNN times each convolution shape once (not with capped workspaces: the timing
+        # borrows scratch memory that would count in the measured peak).
+        if cfg.trainer.workspaces == "default":
+            tune_convolutions(self.unwrapped_model, device)
         self.state = TrainState()
 
     @property
@@ -358,13 +363,15 @@ class Trainer:
         self.state = TrainState(**checkpoint["trainer"])
         # Generator states are CPU byte tensors whatever device the checkpoint was mapped to.
         torch.set_rng_state(checkpoint["rng"]["torch"].cpu())
-        if checkpoint["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([state.cpu() for state in checkpoint["rng"]["cuda"]])
+        # The CUDA generators this machine has (a checkpoint from a machine with more GPUs resumes).
+        states = checkpoint["rng"]["cuda"][: torch.cuda.device_count() if torch.cuda.is_available() else 0]
+        for index, state in enumerate(states):
+            torch.cuda.set_rng_state(state.cpu(), index)
 
 
-def batch_device(batch: Any, default: torch.device) -> torch.device:
-    """The device of ``batch``'s first tensor (``default`` for a batch without tensors)."""
-    return next((t.device for t in tree_leaves(batch) if isinstance(t, torch.Tensor)), default)
+def model_device(model: nn.Module, default: torch.device) -> torch.device:
+    """The device of ``model``'s first parameter (``default`` for a model without parameters)."""
+    return next((p.device for p in model.parameters()), default)
 
 
 def _done(state: TrainState, max_steps: int | None) -> bool:
@@ -455,16 +462,18 @@ def build_trainer(cfg: DictConfig) -> Trainer:
         torch.set_num_threads(cfg.trainer.num_threads)
     device = resolve_device(cfg.trainer.device)
     distributed.check_batch_divisible(cfg.data.batch_size)
-    # Before anything runs on the device: the CUDA libraries read their workspace sizes once.
-    configure_libraries(device, cfg.trainer.workspaces, cfg.trainer.deterministic)
     torch.manual_seed(cfg.trainer.seed)
-    policy = make_policy(
-        cfg.precision.name,
-        device,
-        stochastic_rounding=cfg.precision.stochastic_rounding,
-        init_scale=cfg.precision.init_scale,
-        growth_interval=cfg.precision.growth_interval,
-    )
+    # A technique refusing the configuration raises ValueError naming the knob: a ConfigError here.
+    with _refusals_as_config_errors():
+        # Before anything runs on the device: the CUDA libraries read their workspace sizes once.
+        configure_libraries(device, cfg.trainer.workspaces, cfg.trainer.deterministic)
+        policy = make_policy(
+            cfg.precision.name,
+            device,
+            stochastic_rounding=cfg.precision.stochastic_rounding,
+            init_scale=cfg.precision.init_scale,
+            growth_interval=cfg.precision.growth_interval,
+        )
 
     # 0. The data (the rewiring schedule scales with the run's length in epochs).
     data = recipe.build_data(cfg, device, policy.input_dtype)
@@ -504,8 +513,10 @@ def build_trainer(cfg: DictConfig) -> Trainer:
     if cfg.checkpointing.strategy == "optimal":
         provisional = Trainer(cfg, recipe, model, data, policy, sparsity, defaults, device)
         apply_optimal_checkpointing(provisional, cfg.checkpointing.budget_mb)
+        del provisional  # its optimizer state must not coexist with the real trainer's
     elif cfg.checkpointing.strategy != "none":
-        apply_checkpointing(model, cfg.checkpointing.strategy, cfg.checkpointing.every)
+        with _refusals_as_config_errors():
+            apply_checkpointing(model, cfg.checkpointing.strategy, cfg.checkpointing.every)
     # 6. Data parallel wrapper outermost (it hooks the gradients of the final parameters).
     model = distributed.wrap_model(model, device, sync_batchnorm=cfg.trainer.sync_batchnorm)
     if sparsity is not None:
@@ -529,6 +540,18 @@ def build_trainer(cfg: DictConfig) -> Trainer:
             cfg.checkpointing.every,
         )
     return trainer
+
+
+@contextmanager
+def _refusals_as_config_errors() -> Iterator[None]:
+    """A technique's ValueError (it names the knob and the allowed values) as a ConfigError: the
+    configuration is refused, nothing is wrong with the run."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
 
 
 def _run_epochs(cfg: DictConfig, data: RecipeData) -> float:

@@ -75,7 +75,7 @@ def main() -> None:
     print(
         f"after {result['updates']} updates: BLEU {result['bleu']:.2f} (tokenized {result['tokenized_bleu']:.2f}), "
         f"training {result['wall_s']:.0f} s, wall {time.perf_counter() - started:.0f} s including evaluation, "
-        f"measured peak {result['peak_bytes'] / 1e6:.1f} MB (CPU tracker, first step)"
+        f"measured peak {result['peak_bytes'] / 1e6:.1f} MB ({result.get('peak_scope', 'measured peak')})"
     )
 
 

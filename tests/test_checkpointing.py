@@ -235,15 +235,20 @@ def test_residual_replays_dropout_and_reaches_context(every):
     reference = DropoutStack().double()
     model = copy.deepcopy(reference)
     apply_checkpointing(model, "residual", every)
+    assert max_difference(*_dropout_stack_gradients(reference, model)) <= 1e-12
+
+
+def _dropout_stack_gradients(*nets: nn.Module) -> list[list[torch.Tensor]]:
+    """Per net: the input's and context's gradients, the next random draw (a recomputation must
+    leave the caller's RNG stream untouched) and the parameters' gradients, from the same draws."""
     inputs, memories = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
     results = []
-    for net in (reference, model):
+    for net in nets:
         x, memory = inputs.clone().requires_grad_(), memories.clone().requires_grad_()
         torch.manual_seed(3)
         net(x, memory).pow(2).sum().backward()
-        after = torch.rand(3)  # the recomputation must leave the caller's RNG stream untouched
-        results.append([x.grad, memory.grad, after, *(p.grad for p in net.parameters())])
-    assert max_difference(*results) <= 1e-12
+        results.append([x.grad, memory.grad, torch.rand(3), *(p.grad for p in net.parameters())])
+    return results
 
 
 @pytest.mark.parametrize("strategy", ["no_bn", "residual_star"])
@@ -293,14 +298,7 @@ def test_schedule_replays_dropout_and_reaches_context():
     reference = DropoutStack().double()
     model = copy.deepcopy(reference)
     apply_schedule(model, [(Segment(2, "recursively"), Segment(1, "stored"), Segment(2, "all_at_once"))])
-    inputs, memories = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
-    results = []
-    for net in (reference, model):
-        x, memory = inputs.clone().requires_grad_(), memories.clone().requires_grad_()
-        torch.manual_seed(3)
-        net(x, memory).pow(2).sum().backward()
-        results.append([x.grad, memory.grad, torch.rand(3), *(p.grad for p in net.parameters())])
-    assert max_difference(*results) <= 1e-12
+    assert max_difference(*_dropout_stack_gradients(reference, model)) <= 1e-12
 
 
 @pytest.mark.parametrize(

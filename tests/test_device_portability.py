@@ -246,7 +246,7 @@ def test_cuda_dynamicconv_trains_in_pure_16_bit(tmp_path, precision):
 
 @cuda_only
 def test_cuda_resume_is_bit_identical(tmp_path: Path):
-    overrides = (*SPARSE_FP16_ADAM, "trainer.device=cuda")
+    overrides = (*SPARSE_FP16_ADAM, "trainer.device=cuda", "trainer.deterministic=true")
     train(tmp_path / "straight", *overrides, "trainer.max_steps=4")
     train(tmp_path / "first", *overrides, "trainer.max_steps=2")
     train(tmp_path / "second", *overrides, "trainer.max_steps=4", f"trainer.resume={tmp_path / 'first'}")

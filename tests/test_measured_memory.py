@@ -83,8 +83,9 @@ def test_the_breakdown_names_the_data_set_and_the_minibatch():
 
 
 def test_capped_workspaces_set_the_libraries_environment_without_overriding_the_user(monkeypatch):
-    for name in CAPPED:
-        monkeypatch.delenv(name, raising=False)
+    for name in CAPPED:  # set, then removed: monkeypatch restores the environment afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "64")  # the user's own choice stays
     in_force = configure_libraries(torch.device("cpu"), "capped", deterministic=False)
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
@@ -93,12 +94,21 @@ def test_capped_workspaces_set_the_libraries_environment_without_overriding_the_
     assert library_environment("default", deterministic=False) == {}
 
 
+def test_a_deterministic_cuda_run_refuses_an_irreproducible_cublas_setting(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":1024:2")
+    with pytest.raises(ValueError, match=r"trainer.deterministic=true.*CUBLAS_WORKSPACE_CONFIG=:1024:2"):
+        configure_libraries(torch.device("cuda"), "default", deterministic=True)
+    configure_libraries(torch.device("cpu"), "default", deterministic=True)  # CPU: cuBLAS plays no part
+    configure_libraries(torch.device("cpu"))  # back to the default for the tests that follow
+
+
 def test_an_unknown_workspace_setting_names_the_knob():
     with pytest.raises(ConfigError, match=r"trainer.workspaces='tiny'.*default, capped"):
         validate(compose(*TINY_WRN, "trainer.workspaces=tiny"))
 
 
-def test_a_deterministic_run_switches_torch_to_deterministic_algorithms_and_back():
+def test_a_deterministic_run_switches_torch_to_deterministic_algorithms_and_back(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # restored afterwards
     build_trainer(compose(*TINY_WRN, "trainer.deterministic=true"))
     assert torch.are_deterministic_algorithms_enabled()
     build_trainer(compose(*TINY_WRN))

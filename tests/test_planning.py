@@ -157,6 +157,27 @@ def test_too_small_budget_names_the_knob_and_the_smallest_figure(tiny_chain):
     )
 
 
+def test_data_parallel_ranks_run_one_schedule_and_refuse_together(tiny_chain, monkeypatch):
+    """Ranks plan for their own shares (token shares differ): all run the schedule of the rank
+    whose accounting is largest, and a budget refused on one rank is refused on all (no hang)."""
+    from lowmem import distributed
+    from lowmem.planning import optimal
+
+    trainer, _ = tiny_chain
+    placement = optimal.CheckpointPlacement(trainer)
+    star = profiled("checkpointing.strategy=residual_star", "checkpointing.every=2")["activation_bytes"]
+    mine = placement.cheapest(star)
+    larger = placement.smallest()  # stands for another rank's plan, accounted larger than mine
+    other = optimal.AccountedSchedule(larger.plan, mine.activation_bytes + 1, larger.flops)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "gather_objects", lambda value: [value, (None, (other.activation_bytes, other))])
+    assert optimal._agreed_across_ranks(placement, star) is other
+    refused = ("checkpointing.budget_mb=... is below what any checkpoint placement reaches", None)
+    monkeypatch.setattr(distributed, "gather_objects", lambda value: [value, refused])
+    with pytest.raises(ConfigError, match=r"data-parallel rank 1 of 2: checkpointing.budget_mb"):
+        optimal._agreed_across_ranks(placement, star)
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [(("checkpointing.strategy=optimal",), "checkpointing.budget_mb=None .*needs a budget"),

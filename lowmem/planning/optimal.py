@@ -157,6 +157,25 @@ def _preference(accounted: AccountedSchedule) -> tuple[int, int]:
     return accounted.flops, accounted.activation_bytes
 
 
+def _agreed_across_ranks(placement: CheckpointPlacement, budget: int) -> AccountedSchedule:
+    """The cheapest schedule within ``budget`` for this rank's share of the first minibatch, made
+    the same on every data-parallel rank: shares of token minibatches differ, and ranks running
+    different schedules (or some refusing the budget while the others wait) would hang or diverge.
+    Every rank plans; a refusal anywhere is raised everywhere; otherwise all run the schedule of
+    the rank whose own accounting is largest (the largest share, for which it was planned)."""
+    if distributed.world_size() == 1:
+        return placement.cheapest(budget)
+    try:
+        mine, refusal = placement.cheapest(budget), None
+    except BudgetTooSmall as error:
+        mine, refusal = None, str(error)
+    gathered = distributed.gather_objects((refusal, None if mine is None else (mine.activation_bytes, mine)))
+    for rank, (message, _) in enumerate(gathered):
+        if message is not None:
+            raise ConfigError(f"data-parallel rank {rank} of {len(gathered)}: {message}")
+    return max((chosen for _, chosen in gathered), key=lambda pair: pair[0])[1]
+
+
 def apply_optimal_checkpointing(trainer: Any, budget_mb: float) -> OptimalCheckpointing:
     """Apply to ``trainer``'s model the cheapest schedule whose accounted activations fit ``budget_mb``
     (MB = 1e6 bytes); raise ``BudgetTooSmall`` (a ConfigError) when none does.
@@ -165,7 +184,7 @@ def apply_optimal_checkpointing(trainer: Any, budget_mb: float) -> OptimalCheckp
     """
     budget = round(budget_mb * MB)
     placement = CheckpointPlacement(trainer)
-    best = placement.cheapest(budget)
+    best = _agreed_across_ranks(placement, budget)
     result = OptimalCheckpointing(
         placement.apply(best),
         describe(best.plan.schedules),

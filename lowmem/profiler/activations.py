@@ -439,6 +439,7 @@ class _OnCpuStandIns(TorchDispatchMode):
         super().__init__()
         self.mode = mode
         self.stand_ins: dict[int, torch.Tensor] = {}
+        self._finalizers: list[weakref.finalize] = []
 
     def convert(self, tensor: torch.Tensor) -> torch.Tensor:
         if isinstance(tensor, FakeTensor) and tensor.device.type == "cpu":
@@ -446,12 +447,19 @@ class _OnCpuStandIns(TorchDispatchMode):
         key = id(tensor)
         if key not in self.stand_ins:
             self.stand_ins[key] = cpu_fake(self.mode, tensor)
-            weakref.finalize(tensor, self.stand_ins.pop, key, None)
+            self._finalizers.append(weakref.finalize(tensor, self.stand_ins.pop, key, None))  # id reuse
         return self.stand_ins[key]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         args, kwargs = tree_map_only(torch.Tensor, self.convert, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        for finalizer in self._finalizers:  # the real tensors outlive the pass; its stand-ins need not
+            finalizer.detach()
+        self._finalizers.clear()
+        self.stand_ins.clear()
 
 
 @contextlib.contextmanager

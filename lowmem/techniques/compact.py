@@ -385,12 +385,15 @@ def compact_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
 
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every compact weight as its plain dense tensor, under the dense
-    weight's own key and in its place: what a model without compact storage would save."""
+    weight's own key and in its place: what a model without compact storage would save.
+
+    The dense weights are CPU tensors: each is built on the model's device and copied out at once,
+    so saving a sparse model never holds more than one dense weight on an accelerator."""
     state = model.state_dict()
     dense = {}
     for prefix, module, attr in compact_modules(model):
         key = f"{prefix}.{attr}" if prefix else attr
-        dense[key + _VALUES] = (key, dense_weight(module, attr).detach().clone())
+        dense[key + _VALUES] = (key, dense_weight(module, attr).detach().to("cpu", copy=True))
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         if key in dense:

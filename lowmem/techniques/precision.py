@@ -337,7 +337,7 @@ class AmpLossScaler:
         self,
         grad_scaler: torch.amp.GradScaler,
         optimizer: torch.optim.Optimizer | None,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
     ) -> None:
         if grad_scaler.is_enabled() and optimizer is None:
             raise ValueError(
@@ -350,7 +350,7 @@ class AmpLossScaler:
             # GradScaler creates its scale tensor on the first loss it scales. Created here, on the
             # training device, so that the profiler's pass on fake tensors (which scales a fake loss
             # first) cannot leave a fake scale behind for the real steps.
-            grad_scaler.scale(torch.ones((), device=device))
+            grad_scaler.scale(torch.ones((), device=device or grad_scaler._device))
 
     @property
     def enabled(self) -> bool:
