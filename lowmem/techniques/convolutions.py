@@ -24,7 +24,9 @@ Only on CUDA; on a CPU nothing here changes anything (layout, kernels, results).
   capture (the replaying runner warms each shape up first). Algorithms may then differ between
   processes, so CUDA runs are not bitwise reproducible across processes (they were not
   guaranteed to be: cuDNN's backward kernels use atomics); a run that asks for determinism
-  (``trainer.deterministic=true`` sets ``torch.backends.cudnn.deterministic``) is left untimed.
+  (``trainer.deterministic=true`` sets ``torch.backends.cudnn.deterministic``) is left untimed, and
+  so is a run with ``trainer.workspaces=capped`` (the trainer does not call this then): the timing
+  borrows scratch memory from the allocator, which the measured peak would count.
 """
 
 from __future__ import annotations
