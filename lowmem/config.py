@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from lowmem.libraries import WORKSPACES
 from lowmem.techniques.precision import PRECISIONS
+from lowmem.techniques.replay import CUDA_GRAPHS
 
 
 class ConfigError(ValueError):
@@ -199,7 +200,10 @@ def validate(cfg: DictConfig | Config) -> None:
     )
     _require(cfg.trainer.log_every > 0, "trainer.log_every", cfg.trainer.log_every, "must be > 0")
     _require(
-        cfg.trainer.cuda_graphs in ("auto", "off"), "trainer.cuda_graphs", cfg.trainer.cuda_graphs, "one of auto, off"
+        cfg.trainer.cuda_graphs in CUDA_GRAPHS,
+        "trainer.cuda_graphs",
+        cfg.trainer.cuda_graphs,
+        f"one of {', '.join(CUDA_GRAPHS)}",
     )
     _require(
         cfg.trainer.workspaces in WORKSPACES,

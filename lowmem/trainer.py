@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from lowmem import distributed
 from lowmem.config import ConfigError, microbatch_mode, validate
@@ -26,6 +25,7 @@ from lowmem.libraries import configure_libraries
 from lowmem.metrics_log import MetricsLog, Progress
 from lowmem.planning.optimal import apply_optimal_checkpointing
 from lowmem.profiler import profile_trainer, track_peak
+from lowmem.profiler.step import data_tensors
 from lowmem.recipe import Recipe, RecipeData, TechniqueDefaults, get_recipe
 from lowmem.run_files import CHECKPOINT, METRICS, MODEL, RESULT, provenance, save_json, save_torch
 from lowmem.schedules import learning_rate
@@ -112,10 +112,7 @@ class Trainer:
             device,
             data_parallel=distributed.world_size() > 1,
         )
-        # CUDA: cuDNN times each convolution shape once (not with capped workspaces: the timing
-        # borrows scratch memory that would count in the measured peak).
-        if cfg.trainer.workspaces == "default":
-            tune_convolutions(self.unwrapped_model, device)
+        tune_convolutions(self.unwrapped_model, device, cfg.trainer.workspaces)  # CUDA: cuDNN timing
         self.state = TrainState()
 
     @property
@@ -385,8 +382,8 @@ class PeakTracker:
     and every evaluation). CPU, where the allocator keeps no statistics: lowmem's tensor tracker
     over the first training step and the first evaluation of this process (tracking slows what it
     measures, and later steps repeat the first). ``previous``: the peak a resumed run had measured
-    before this process; the run's peak is the larger of the two. ``model``, ``optimizer`` and
-    ``data`` let the tracker tell what it sees (it counts every tensor alive either way).
+    before this process; the run's peak is the larger of the two. The trainer's model, optimizer and
+    data let the tracker name what it sees (it counts every tensor alive either way).
     """
 
     SCOPE = {
@@ -418,7 +415,7 @@ class PeakTracker:
             yield
             return
         trainer = self.trainer
-        data = [*trainer.data.resident, *tree_leaves(batch)]
+        data = data_tensors(trainer, batch)
         with track_peak(trainer.unwrapped_model, trainer.optimizer, self.device, data) as tracker:
             yield
         self.measured[what] = tracker.peak_bytes

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from lowmem.planning.schedule import BlockCosts, ChainCosts
-from lowmem.profiler import ActivationTrace, account_activations, batch_shapes
+from lowmem.profiler import ActivationTrace, account_activations
+from lowmem.profiler.step import distinct_microbatches
 from lowmem.residual import residual_stacks, routes_norm_relu_conv, set_block_executor
 from lowmem.techniques.checkpointing import Segment, apply_checkpointing, run_segments, set_recompute_norm
 
@@ -144,13 +145,9 @@ def measure_chain(trainer: Any) -> ChainCosts:
             "(a non-empty `residual_blocks` nn.ModuleList); use checkpointing.strategy=none"
         )
     model.train()
-    batch = trainer.example_batch()
-    distinct: dict[tuple, list] = {}
-    for part, weight in trainer.microbatches(batch):
-        key = tuple(sorted((name, tuple(shape)) for name, shape in batch_shapes(part).items()))
-        distinct.setdefault(key, [part, weight, 0])[2] += 1
+    distinct = distinct_microbatches(trainer, trainer.example_batch())
     try:
-        chains = [(_measure_microbatch(trainer, part, weight), count) for part, weight, count in distinct.values()]
+        chains = [(_measure_microbatch(trainer, part, weight), count) for part, weight, count in distinct]
     finally:
         apply_checkpointing(model, "none")
     return _merge(chains)

@@ -21,20 +21,31 @@ def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> Me
     ``measure=False`` skips the real step (no measured peak: the accounting and FLOPs only)."""
     batch = trainer.example_batch() if batch is None else batch
     trainer.model.train()
-    # Microbatches of equal shapes have equal activations and FLOPs: account one of each shape.
-    distinct: dict[tuple, list] = {}
-    for part, weight in trainer.microbatches(batch):
-        distinct.setdefault(_shapes(part), [part, weight, 0])[2] += 1
     # Each microbatch is handed to the accounting as inputs: it runs on fake CPU stand-ins of
-    # them, so that a step on any device is accounted alike (autocast follows the inputs' device).
+    # them, so that a step on any device is accounted alike.
     microbatches = [
         Microbatch(functools.partial(_microbatch_backward, trainer, weight), count, inputs=part)
-        for part, weight, count in distinct.values()
+        for part, weight, count in distinct_microbatches(trainer, batch)
     ]
     sparse = trainer.sparsity.trained_parameters() if trainer.sparsity is not None else None
     step = (lambda: trainer.train_step(batch)) if measure else None
-    data = [*trainer.data.resident, *tree_leaves(batch)]
-    return profile_step(trainer.unwrapped_model, trainer.optimizer, microbatches, step, sparse=sparse, data=data)
+    return profile_step(
+        trainer.unwrapped_model, trainer.optimizer, microbatches, step, sparse=sparse, data=data_tensors(trainer, batch)
+    )
+
+
+def distinct_microbatches(trainer: Any, batch: Any) -> list[tuple[Any, float, int]]:
+    """``batch``'s microbatches on this rank as (microbatch, loss weight, how many share its shapes),
+    one per distinct shape: microbatches of equal shapes have equal activations and FLOPs."""
+    distinct: dict[tuple, list] = {}
+    for part, weight in trainer.microbatches(batch):
+        distinct.setdefault(_shapes(part), [part, weight, 0])[2] += 1
+    return [tuple(entry) for entry in distinct.values()]
+
+
+def data_tensors(trainer: Any, batch: Any = None) -> list[torch.Tensor]:
+    """The data set's tensors resident on the device and ``batch``'s: the measured breakdown's "data"."""
+    return [*trainer.data.resident, *(t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))]
 
 
 def _microbatch_backward(trainer: Any, weight: float, part: Any) -> Any:

@@ -25,8 +25,8 @@ Only on CUDA; on a CPU nothing here changes anything (layout, kernels, results).
   processes, so CUDA runs are not bitwise reproducible across processes (they were not
   guaranteed to be: cuDNN's backward kernels use atomics); a run that asks for determinism
   (``trainer.deterministic=true`` sets ``torch.backends.cudnn.deterministic``) is left untimed, and
-  so is a run with ``trainer.workspaces=capped`` (the trainer does not call this then): the timing
-  borrows scratch memory from the allocator, which the measured peak would count.
+  so is a run with ``trainer.workspaces=capped``: the timing borrows scratch memory from the
+  allocator, which the measured peak would count.
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ def input_memory_format(dtype: torch.dtype, device: torch.device) -> torch.memor
     return torch.preserve_format
 
 
-def tune_convolutions(model: nn.Module, device: torch.device) -> bool:
+def tune_convolutions(model: nn.Module, device: torch.device, workspaces: str = "default") -> bool:
     """Let cuDNN time its algorithms for each input shape if ``model`` has 2-D convolutions and runs
-    on CUDA, unless cuDNN was asked to be deterministic (a process-wide setting). Returns whether it did."""
-    if torch.device(device).type != "cuda" or torch.backends.cudnn.deterministic:
+    on CUDA, unless cuDNN was asked to be deterministic (a process-wide setting) or library
+    workspaces are capped (``trainer.workspaces``). Returns whether it did."""
+    if torch.device(device).type != "cuda" or torch.backends.cudnn.deterministic or workspaces != "default":
         return False
     if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         return False
