@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from lowmem.libraries import WORKSPACES
 from lowmem.techniques.precision import PRECISIONS
@@ -37,6 +37,7 @@ class DataConfig:
     device: str = "auto"  # auto: the data set lives on the training device | cpu: in (pinned) host memory
     train_size: int | None = None  # generated data only: number of training examples
     test_size: int | None = None  # generated data only: number of test examples
+    image_size: int | None = None  # vision recipe: images resized to this side (None: the data set's own, 32)
     src_lang: str = "de"
     tgt_lang: str = "en"
 
@@ -66,6 +67,8 @@ class SparsityConfig:
     rewire_freq_mult: float | None = None  # None: the recipe's table default for the density
     init_threshold: float = 1e-3
     storage: str = "compact"  # compact (values + positions) | masked (dense weight + bool mask, the report's)
+    include: Any = None  # any model: a pattern or list of patterns of the weights to sparsify (None: default rule)
+    exclude: Any = None  # any model: a pattern or list of patterns of weights to keep dense
 
 
 @dataclass
@@ -87,6 +90,7 @@ class CheckpointingConfig:
     strategy: str = "none"  # none | no_bn | residual | residual_star | optimal
     every: int = 1  # residual strategies: keep the output of every m-th residual block
     budget_mb: float | None = None  # optimal only (required there): most accounted activation MB (1e6 bytes)
+    blocks: Any = None  # any model: module path(s) or a block class name (None: detected)
 
 
 @dataclass
@@ -184,10 +188,23 @@ def microbatch_mode(cfg: DictConfig | Config) -> str:
     return "simulated"
 
 
+def name_list(cfg_value: Any, knob: str) -> list[str]:
+    """A knob that takes one name or a list of names (``checkpointing.blocks``, ``sparsity.include``)
+    as a list of strings (``None``: empty)."""
+    if cfg_value is None:
+        return []
+    if isinstance(cfg_value, str):
+        return [cfg_value] if cfg_value else []
+    values = OmegaConf.to_container(cfg_value) if isinstance(cfg_value, DictConfig | ListConfig) else cfg_value
+    if not isinstance(values, list | tuple) or not all(isinstance(v, str) and v for v in values):
+        raise ConfigError(f"{knob}={cfg_value!r} is not allowed: a name or a list of names, e.g. {knob}=[a,b]")
+    return list(values)
+
+
 def validate(cfg: DictConfig | Config) -> None:
     """Range and name checks that types cannot express. Raises ConfigError naming the knob."""
     if OmegaConf.is_missing(cfg, "recipe") or not cfg.recipe:
-        raise ConfigError("no recipe chosen: add +recipe=wrn_cifar or +recipe=dc_iwslt")
+        raise ConfigError("no recipe chosen: add +recipe=wrn_cifar, +recipe=dc_iwslt or +recipe=vision")
     _require(cfg.data.batch_size > 0, "data.batch_size", cfg.data.batch_size, "must be a positive integer")
     _require(cfg.data.eval_batch_size > 0, "data.eval_batch_size", cfg.data.eval_batch_size, "must be > 0")
     _require(cfg.data.device in ("auto", "cpu"), "data.device", cfg.data.device, "one of auto, cpu")
@@ -307,4 +324,7 @@ def validate(cfg: DictConfig | Config) -> None:
         cfg.checkpointing.every,
         "must be an integer >= 1",
     )
+    name_list(cfg.checkpointing.blocks, "checkpointing.blocks")
+    name_list(cfg.sparsity.include, "sparsity.include")
+    name_list(cfg.sparsity.exclude, "sparsity.exclude")
     _require(cfg.logger.name in ("none", "wandb"), "logger", cfg.logger.name, "one of none, wandb")

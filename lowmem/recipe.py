@@ -18,7 +18,7 @@ from torch import nn
 
 from lowmem.config import ConfigError
 
-KNOWN_RECIPES = ("wrn_cifar", "dc_iwslt")
+KNOWN_RECIPES = ("wrn_cifar", "dc_iwslt", "vision")
 
 
 @dataclass(frozen=True)
