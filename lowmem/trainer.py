@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lowmem import distributed
-from lowmem.config import ConfigError, microbatch_mode, validate
+from lowmem.config import ConfigError, microbatch_mode, name_list, validate
 from lowmem.libraries import configure_libraries
 from lowmem.metrics_log import MetricsLog, Progress
 from lowmem.planning.optimal import apply_optimal_checkpointing
@@ -513,7 +513,8 @@ def build_trainer(cfg: DictConfig) -> Trainer:
         del provisional  # its optimizer state must not coexist with the real trainer's
     elif cfg.checkpointing.strategy != "none":
         with _refusals_as_config_errors():
-            apply_checkpointing(model, cfg.checkpointing.strategy, cfg.checkpointing.every)
+            blocks = name_list(cfg.checkpointing.blocks, "checkpointing.blocks")
+            apply_checkpointing(model, cfg.checkpointing.strategy, cfg.checkpointing.every, blocks)
     # 6. Data parallel wrapper outermost (it hooks the gradients of the final parameters).
     model = distributed.wrap_model(model, device, sync_batchnorm=cfg.trainer.sync_batchnorm)
     if sparsity is not None:

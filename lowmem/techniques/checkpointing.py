@@ -106,21 +106,22 @@ def validate_checkpointing(strategy: str, every: int) -> None:
         )
 
 
-def apply_checkpointing(model: nn.Module, strategy: str, every: int = 1) -> None:
+def apply_checkpointing(model: nn.Module, strategy: str, every: int = 1, blocks: Sequence[str] = ()) -> None:
     """Make every residual stack of ``model`` run with ``strategy``, segments of ``every`` blocks.
 
-    Changes only how blocks are executed (no module, parameter or state-dict key changes); calling
-    it again replaces the previous strategy (or schedule).
+    A model that declares no residual stacks (any model lowmem did not write), or ``blocks``
+    (``checkpointing.blocks``) given, is checkpointed over its chains of blocks, found or named
+    (``lowmem.techniques.chains``). Changes only how blocks are executed (no module, parameter or
+    state-dict key changes); calling it again replaces the previous strategy (or schedule).
     """
     validate_checkpointing(strategy, every)
     stacks = residual_stacks(model)
-    if not stacks:
-        if strategy == "none":
-            return
-        raise ValueError(
-            f"checkpointing.strategy={strategy!r} needs residual blocks, but {type(model).__name__} "
-            "exposes none (a non-empty `residual_blocks` nn.ModuleList); use checkpointing.strategy=none"
-        )
+    if blocks or not stacks:
+        # Imported here: lowmem.techniques.chains builds on this module's recomputation helpers.
+        from lowmem.techniques.chains import apply_to_chains
+
+        apply_to_chains(model, strategy, every, blocks)
+        return
     blocks = [block for stack in stacks for block in stack.residual_blocks]
     recompute_norm = strategy in ("no_bn", "residual_star")
     if recompute_norm:

@@ -1,0 +1,439 @@
+"""Activation checkpointing for a model lowmem did not write: find its chains of blocks, wrap them.
+
+A model written for lowmem declares its residual blocks (``lowmem.residual``); any other model is
+read as it is. ``find_block_chains`` finds the chains of blocks a model runs one after another —
+torchvision ResNet's BasicBlocks across ``layer1..layer4``, MobileNet's ``features``, ViT's
+``encoder.layers``, a GPT's ``nn.ModuleList`` of blocks called in a Python loop with a mask —
+or takes them from ``checkpointing.blocks`` (module paths, or a block class name).
+``install_chains`` then wraps each block's ``forward`` on the instance, as torch's
+``apply_activation_checkpointing`` wraps modules, without touching the user's class, module tree,
+parameter names or state-dict keys; the model's own forward keeps calling its blocks as before.
+
+How a chain runs is its *plan*: one ``Segment`` (``lowmem.techniques.checkpointing``) per block,
+shared by consecutive blocks of one segment. ``stored`` blocks run plainly. In a checkpointed
+segment each block call becomes one ``_ChainedBlock`` autograd node: the segment's first block
+saves its input, the others save nothing of the activation they receive (only their context,
+e.g. a mask), and backward recomputes:
+
+- ``all_at_once`` (``residual``): the first block backward reaches rebuilds the graphs of every
+  block of the segment from the segment's input, then each block backpropagates its own graph;
+- ``recursively`` (``residual_star``): the first block backward reaches recomputes the block
+  inputs without a graph and holds them; each block then rebuilds its own graph from its input,
+  backpropagates it and drops it.
+
+A block joins the running segment only if its input is the very tensor (same object, unchanged
+since) the previous block of the chain returned in this forward; otherwise it starts a new segment
+and saves its input. So code between blocks (``x = x * 2``), blocks skipped or called out of order
+cost memory, never correctness. Recomputation replays each block's RNG state (the same dropout
+masks) and autocast state, and sends BatchNorm running-statistic updates to scratch buffers, so
+statistics are updated exactly once per forward (SPEC §6). A block must return one tensor and must
+not change its input in place; a block that does is refused with a clear error at its first call.
+"""
+
+from __future__ import annotations
+
+import difflib
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lowmem.techniques import checkpointing as ckpt
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList)
+_RUNNERS = "_lowmem_block_chains"  # attribute of the root model: its ChainRunners
+
+
+@dataclass(frozen=True)
+class BlockChain:
+    """Blocks a model runs one after another, in forward order, with their module paths."""
+
+    names: tuple[str, ...]
+    blocks: tuple[nn.Module, ...]
+
+    def __str__(self) -> str:
+        return f"{len(self.blocks)} x {_describe(self.blocks)} ({_span(self.names)})"
+
+
+# --- finding the chains ----------------------------------------------------------------------------
+
+
+def find_block_chains(model: nn.Module, blocks: Sequence[str] = ()) -> list[BlockChain]:
+    """The chains of blocks of ``model``: detected, or those ``blocks`` names (``checkpointing.blocks``:
+    module paths — a container's children are its blocks — or one class name). Raises ValueError
+    naming ``checkpointing.blocks`` when nothing is found."""
+    found = _named_blocks(model, blocks) if blocks else _detected_blocks(model)
+    if not found:
+        raise ValueError(
+            f"checkpointing: no chain of blocks found in {type(model).__name__} (lowmem looks for nn.Sequential / "
+            "nn.ModuleList containers of composite modules); name them with checkpointing.blocks=<module path(s) or "
+            f"block class name>, e.g. checkpointing.blocks=[{_example_paths(model)}]"
+        )
+    return _group_by_owner(found)
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _is_composite(module: nn.Module) -> bool:
+    return any(True for _ in module.children()) and _has_parameters(module)
+
+
+def _detected_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Outermost containers holding composite modules: their parameterized children are blocks."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, _CONTAINERS) and any(_is_composite(c) for c in child.children()):
+                found.extend(
+                    (f"{path}.{n}", c) for n, c in child.named_children() if _has_parameters(c)
+                )
+            elif any(True for _ in child.children()):
+                visit(child, path)
+
+    visit(model, "")
+    return found
+
+
+def _named_blocks(model: nn.Module, names: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    modules = dict(model.named_modules())
+    classes = {type(m).__name__ for m in modules.values()}
+    if len(names) == 1 and names[0] not in modules and names[0] in classes:
+        matches = [(path, m) for path, m in modules.items() if type(m).__name__ == names[0] and path]
+        outermost = [(p, m) for p, m in matches if not any(p.startswith(q + ".") for q, _ in matches)]
+        return outermost
+    found = []
+    for name in names:
+        if name not in modules or not name:
+            close = difflib.get_close_matches(name, [*modules, *classes], n=4)
+            raise ValueError(
+                f"checkpointing.blocks={name!r} is neither a module path nor a block class of "
+                f"{type(model).__name__}" + (f"; close: {', '.join(close)}" if close else "")
+            )
+        module = modules[name]
+        if isinstance(module, _CONTAINERS):
+            found.extend((f"{name}.{n}", c) for n, c in module.named_children() if _has_parameters(c))
+        else:
+            found.append((name, module))
+    return found
+
+
+def _group_by_owner(found: list[tuple[str, nn.Module]]) -> list[BlockChain]:
+    """One chain per calling module, blocks in registration order, each block once. The children of
+    a container (``layer1.0``, ``layer1.1``) belong to the container's caller, so that sibling
+    containers run back to back (``layer1``, ``layer2``) make one chain."""
+    chains: dict[str, list[tuple[str, nn.Module]]] = {}
+    seen: set[int] = set()
+    for path, module in found:
+        if id(module) not in seen:
+            seen.add(id(module))
+            parent = path.rpartition(".")[0]
+            owner = parent.rpartition(".")[0] if path.rpartition(".")[2].isdigit() else parent
+            chains.setdefault(owner, []).append((path, module))
+    return [BlockChain(tuple(p for p, _ in members), tuple(m for _, m in members)) for members in chains.values()]
+
+
+def _describe(blocks: Sequence[nn.Module]) -> str:
+    names = sorted({type(b).__name__ for b in blocks})
+    return "/".join(names[:3]) + ("/..." if len(names) > 3 else "")
+
+
+def _span(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+
+
+def _example_paths(model: nn.Module) -> str:
+    containers = [p for p, m in model.named_modules() if isinstance(m, _CONTAINERS) and p]
+    return ",".join(containers[:2]) or "features"
+
+
+# --- wrapping ---------------------------------------------------------------------------------------
+
+
+def installed_runners(model: nn.Module) -> list[ChainRunner]:
+    """The chain runners ``install_chains`` attached to ``model`` (empty if none)."""
+    return list(getattr(model, _RUNNERS, ()))
+
+
+def install_chains(model: nn.Module, chains: Sequence[BlockChain]) -> list[ChainRunner]:
+    """Wrap every block of ``chains`` (plain until a plan is set); replaces earlier wrapping."""
+    uninstall_chains(model)
+    runners = [ChainRunner(chain) for chain in chains]
+    # A plain attribute, not a submodule: no parameters, no state-dict keys.
+    object.__setattr__(model, _RUNNERS, runners)
+    return runners
+
+
+def uninstall_chains(model: nn.Module) -> None:
+    """Give every wrapped block its own forward back."""
+    for runner in installed_runners(model):
+        runner.unwrap()
+    if _RUNNERS in model.__dict__:
+        object.__delattr__(model, _RUNNERS)
+
+
+class _ChainedForward:
+    """The instance ``forward`` of a wrapped block: hands the call to its chain's runner."""
+
+    def __init__(self, runner: ChainRunner, index: int, own: Callable | None) -> None:
+        self.runner, self.index, self.own = runner, index, own
+
+    def plain(self, *args, **kwargs):
+        block = self.runner.blocks[self.index]
+        if self.own is not None:
+            return self.own(*args, **kwargs)
+        return type(block).forward(block, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self.runner.call(self.index, args, kwargs)
+
+
+@dataclass
+class _Last:
+    """The block call a chained block's input must come from."""
+
+    index: int
+    segment: int
+    output: weakref.ref
+    version: int
+    runtime: _Runtime
+
+
+class ChainRunner:
+    """Runs one chain's blocks by its plan: plainly, or checkpointed segment by segment."""
+
+    def __init__(self, chain: BlockChain) -> None:
+        self.chain = chain
+        self.blocks = list(chain.blocks)
+        self.forwards: list[_ChainedForward] = []
+        for index, block in enumerate(self.blocks):
+            forward = _ChainedForward(self, index, block.__dict__.get("forward"))
+            block.forward = forward
+            self.forwards.append(forward)
+        self.plan: list[tuple[int, ckpt.Segment]] | None = None  # per block: (segment number, segment)
+        self.observer: Callable | None = None  # the planner's recorder (lowmem.planning.measure)
+        self._last: _Last | None = None
+
+    def unwrap(self) -> None:
+        for block, forward in zip(self.blocks, self.forwards, strict=True):
+            if forward.own is None:
+                block.__dict__.pop("forward", None)
+            else:
+                block.forward = forward.own
+
+    def set_segments(self, segments: Sequence[ckpt.Segment] | None) -> None:
+        """Run the blocks in ``segments`` (covering the chain exactly), or plainly (None)."""
+        self._last = None
+        if segments is None or all(s.backprop == "stored" for s in segments):
+            self.plan = None
+            return
+        plan = []
+        for number, segment in enumerate(segments):
+            plan.extend((number, segment) for _ in range(segment.blocks))
+        if len(plan) != len(self.blocks):
+            raise ValueError(f"a schedule of {len(plan)} blocks for a chain of {len(self.blocks)}")
+        self.plan = plan
+
+    def call(self, index: int, args: tuple, kwargs: dict) -> Any:
+        forward = self.forwards[index]
+        if self.observer is not None:
+            return self.observer(self, index, args, kwargs)
+        x = args[0] if args else None
+        usable = isinstance(x, torch.Tensor) and x.is_floating_point() and torch.is_grad_enabled()
+        if self.plan is None or not usable or self.plan[index][1].backprop == "stored":
+            self._last = None
+            return forward.plain(*args, **kwargs)
+        number, segment = self.plan[index]
+        last = self._last
+        chained = (
+            last is not None
+            and last.index == index - 1
+            and last.segment == number
+            and last.output() is x
+            and x._version == last.version
+        )
+        runtime = last.runtime if chained else _Runtime(segment.backprop)
+        call = _BlockCall(forward, len(runtime.calls), args[1:], kwargs, x.device)
+        runtime.calls.append(call)
+        params = [p for p in self.blocks[index].parameters() if p.requires_grad]
+        output = _ChainedBlock.apply(runtime, call, x, len(call.context), *call.context, *params)
+        self._last = _Last(index, number, weakref.ref(output), output._version, runtime)
+        return output
+
+
+@dataclass
+class _BlockCall:
+    """One block call of a checkpointed segment: how to run it again, and under which state."""
+
+    forward: _ChainedForward
+    position: int  # in the segment
+    args: tuple  # positional arguments after the input
+    kwargs: dict
+    device: torch.device
+    context: list[torch.Tensor] = field(default_factory=list)  # the tensor arguments (saved, not held here)
+    ctx: weakref.ref | None = None  # the autograd node's ctx, for its saved tensors
+
+    def __post_init__(self) -> None:
+        leaves, self.spec = tree_flatten((self.args, self.kwargs))
+        self.is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+        self.skeleton = [None if t else leaf for t, leaf in zip(self.is_tensor, leaves, strict=True)]
+        self.context = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        self.args = self.kwargs = None  # the tensors live in the node's saved tensors only
+        self.rng = ckpt._RngState(self.device)
+        self.autocast = ckpt._AutocastState.capture(self.device)
+
+    def run(self, x: torch.Tensor, context: Sequence[torch.Tensor]) -> Any:
+        tensors = iter(context)
+        leaves = [next(tensors) if t else leaf for t, leaf in zip(self.is_tensor, self.skeleton, strict=True)]
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        return self.forward.plain(x, *args, **kwargs)
+
+    def saved(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """The segment input (first block only) and this call's context tensors, as saved."""
+        ctx = self.ctx() if self.ctx is not None else None
+        if ctx is None:
+            raise RuntimeError("checkpointing: a block's saved tensors were released before its segment's backward")
+        saved = ctx.saved_tensors
+        return (saved[0], list(saved[1:])) if self.position == 0 else (None, list(saved))
+
+    def block(self) -> nn.Module:
+        return self.forward.runner.blocks[self.forward.index]
+
+    def name(self) -> str:
+        runner = self.forward.runner
+        return runner.chain.names[self.forward.index]
+
+
+class _Runtime:
+    """One checkpointed segment of one forward: its block calls and what backward recomputed."""
+
+    def __init__(self, backprop: str) -> None:
+        self.backprop = backprop
+        self.calls: list[_BlockCall] = []
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # recursively: block inputs
+        self.graphs: dict[int, tuple] = {}  # all_at_once: position -> (output edge, input leaf, context leaves)
+
+    def recompute(self, call: _BlockCall, x: torch.Tensor, context: Sequence[torch.Tensor]) -> Any:
+        """Run ``call`` again as it ran in forward (RNG, autocast; BatchNorm statistics to scratch)."""
+        with call.rng.replayed(), call.autocast.restore(), ckpt.scratch_running_stats(call.block().modules()):
+            return call.run(x, context)
+
+    def input_of(self, position: int) -> torch.Tensor:
+        """Block ``position``'s input, without a graph: saved (first block), held, or recomputed
+        from the nearest earlier one, holding the inputs computed on the way for their blocks."""
+        if position in self.held:
+            return self.held.pop(position)[0]
+        start = max((p for p in self.held if p < position), default=0)
+        x = self.held[start][0] if start in self.held else self.calls[0].saved()[0]
+        with torch.no_grad():
+            for p in range(start, position):
+                x = self.recompute(self.calls[p], x, self.calls[p].saved()[1])
+                if p + 1 < position:
+                    leaf, _ = ckpt._recomputation_input(x, requires_grad=True)
+                    self.held[p + 1] = (x, ckpt._hold(leaf))
+        return x
+
+    def build_graphs(self, upto: int) -> None:
+        """``all_at_once``: every block's graph up to ``upto`` from the segment input, each block's
+        input a fresh leaf sharing the previous output's storage."""
+        x = self.calls[0].saved()[0]
+        for position in range(upto + 1):
+            call = self.calls[position]
+            leaf, alias = ckpt._recomputation_input(x, requires_grad=True if position else None)
+            context = [ckpt._recomputation_input(t) for t in call.saved()[1]]
+            with torch.enable_grad():
+                output = self.recompute(call, alias, [a for _, a in context])
+            self.graphs[position] = (torch.autograd.graph.get_gradient_edge(output), leaf, [c for c, _ in context])
+            x = output.detach()
+            del output
+
+
+class _ChainedBlock(torch.autograd.Function):
+    """One block of a checkpointed segment: forward without autograd, backward by recomputation."""
+
+    @staticmethod
+    def forward(ctx, runtime, call, x, num_context, *tensors):
+        ctx.runtime, ctx.call = runtime, call
+        context = tensors[:num_context]
+        ctx.save_for_backward(*((x,) if call.position == 0 else ()), *context)
+        call.ctx = weakref.ref(ctx)
+        version = x._version
+        output = call.run(x, context)
+        if not isinstance(output, torch.Tensor):
+            raise ValueError(
+                f"checkpointing: block {call.name()} ({type(call.block()).__name__}) returns "
+                f"{type(output).__name__}, not one tensor; checkpoint other blocks with checkpointing.blocks=..."
+            )
+        if x._version != version:
+            raise ValueError(
+                f"checkpointing: block {call.name()} ({type(call.block()).__name__}) changes its input in place, "
+                "which recomputation cannot undo; checkpoint other blocks with checkpointing.blocks=..."
+            )
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        runtime, call = ctx.runtime, ctx.call
+        position = call.position
+        # needs_input_grad covers (runtime, call, x, num_context, *context, *params).
+        need_x = ctx.needs_input_grad[2]
+        needed = list(ctx.needs_input_grad[4:])
+        num_context = len(call.context)
+        params = [p for p in call.block().parameters() if p.requires_grad]
+        if runtime.backprop == "all_at_once":
+            if position not in runtime.graphs:
+                runtime.build_graphs(position)
+            edge, leaf, context_leaves = runtime.graphs.pop(position)
+        else:
+            x = runtime.input_of(position)
+            leaf, alias = ckpt._recomputation_input(x, requires_grad=True)
+            del x
+            saved = ctx.saved_tensors[1:] if position == 0 else ctx.saved_tensors
+            context = [ckpt._recomputation_input(t) for t in saved]
+            context_leaves = [c for c, _ in context]
+            with torch.enable_grad():
+                output = runtime.recompute(call, alias, [a for _, a in context])
+            edge = torch.autograd.graph.get_gradient_edge(output)
+            del output, alias, context, saved
+        inputs = [leaf, *context_leaves, *params]
+        wanted = [need_x, *needed[:num_context], *needed[num_context:]]
+        chosen = [t for t, w in zip(inputs, wanted, strict=True) if w and t.requires_grad]
+        grads = iter(torch.autograd.grad([edge], chosen, [grad_output], allow_unused=True)) if chosen else iter(())
+        results = [next(grads) if w and t.requires_grad else None for t, w in zip(inputs, wanted, strict=True)]
+        if need_x and results[0] is None:  # a block that ignores its input
+            results[0] = torch.zeros_like(leaf)
+        del edge, leaf, context_leaves
+        return (None, None, results[0], None, *results[1:])
+
+
+# --- strategies -------------------------------------------------------------------------------------
+
+
+def apply_to_chains(model: nn.Module, strategy: str, every: int, blocks: Sequence[str] = ()) -> None:
+    """``checkpointing.strategy`` on ``model``'s chains of blocks (found or named by ``blocks``)."""
+    runners = installed_runners(model)
+    if blocks or not runners:
+        if strategy == "none" and not blocks and not runners:
+            return
+        runners = install_chains(model, find_block_chains(model, blocks))
+    chained = [block for runner in runners for block in runner.blocks]
+    recompute_norm = strategy in ("no_bn", "residual_star")
+    routing = [block for block in chained if ckpt.routes_norm_relu_conv(block)]
+    if strategy == "no_bn" and len(routing) < len(chained):
+        kinds = sorted({type(b).__name__ for b in chained if not ckpt.routes_norm_relu_conv(b)})
+        raise ValueError(
+            "checkpointing.strategy='no_bn' recomputes BatchNorm-ReLU outputs inside blocks, which lowmem does for "
+            f"blocks that route them through lowmem.residual.norm_relu_conv; {', '.join(kinds)} do not: use "
+            "checkpointing.strategy=residual or residual_star (any block)"
+        )
+    for block in routing:
+        ckpt.set_recompute_norm(block, recompute_norm)
+    for runner in runners:
+        runner.set_segments(ckpt.uniform_schedule(strategy, every, len(runner.blocks)))
