@@ -7,6 +7,7 @@ optimizer step and rewiring, in that order; ``Trainer.fit`` loops, evaluates, lo
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import time
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ from lowmem.techniques.precision import (
 )
 from lowmem.techniques.replay import EagerMicrobatches, make_microbatch_runner
 from lowmem.techniques.sparsity import DynamicSparsity
+from lowmem.techniques.targets import default_sparse_weights
 
 log = logging.getLogger("lowmem")
 
@@ -442,18 +444,29 @@ def _build_optimizer(optim_cfg, params: list[nn.Parameter], lr: float, policy: P
 
 
 def build_trainer(cfg: DictConfig) -> Trainer:
-    """Build model, data and techniques from ``cfg``, in the order the techniques require."""
+    """Build a recipe's model, data and techniques from ``cfg`` (``python -m lowmem.train``)."""
     validate(cfg)
-    if cfg.trainer.sync_batchnorm and cfg.microbatch.size is not None and microbatch_mode(cfg) == "simulated":
-        raise ConfigError(
-            "trainer.sync_batchnorm=true cannot be combined with microbatch.mode=simulated "
-            "(simulated microbatching defines per-group statistics; SyncBatchNorm pools all ranks)"
-        )
     recipe = get_recipe(cfg.recipe)
     if cfg.data.name not in recipe.data_names:
         raise ConfigError(
             f"data={cfg.data.name!r} is not available for recipe {recipe.name}: "
             f"choose one of {', '.join(recipe.data_names)}"
+        )
+    device, policy = start_run(cfg)
+    # 0. The data (the rewiring schedule scales with the run's length in epochs).
+    data = recipe.build_data(cfg, device, policy.input_dtype)
+    # 1. The recipe's model, in FP32, from the seed (the same weights whatever the techniques).
+    model = recipe.build_model(cfg).to(device)
+    return apply_techniques(cfg, recipe, model, data, device, policy)
+
+
+def start_run(cfg: DictConfig) -> tuple[torch.device, PrecisionPolicy]:
+    """What every run sets up before its model exists: threads, device, seed, CUDA libraries and
+    the precision policy. ``cfg`` must be validated."""
+    if cfg.trainer.sync_batchnorm and cfg.microbatch.size is not None and microbatch_mode(cfg) == "simulated":
+        raise ConfigError(
+            "trainer.sync_batchnorm=true cannot be combined with microbatch.mode=simulated "
+            "(simulated microbatching defines per-group statistics; SyncBatchNorm pools all ranks)"
         )
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
@@ -471,11 +484,31 @@ def build_trainer(cfg: DictConfig) -> Trainer:
             init_scale=cfg.precision.init_scale,
             growth_interval=cfg.precision.growth_interval,
         )
+    return device, policy
 
-    # 0. The data (the rewiring schedule scales with the run's length in epochs).
-    data = recipe.build_data(cfg, device, policy.input_dtype)
-    # 1. The recipe's model, in FP32, from the seed (the same weights whatever the techniques).
-    model = recipe.build_model(cfg).to(device)
+
+def sparse_weights(cfg: DictConfig, recipe: Recipe, model: nn.Module) -> list[str]:
+    """The weights DSR trains sparse: the recipe's rule, or ``sparsity.include``'s patterns, less
+    ``sparsity.exclude``'s (``lowmem.techniques.targets``)."""
+    include = name_list(cfg.sparsity.include, "sparsity.include")
+    exclude = name_list(cfg.sparsity.exclude, "sparsity.exclude")
+    if include:
+        return default_sparse_weights(model, include, exclude)
+    names = recipe.sparsifiable_weights(model)
+    kept = [name for name in names if not any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude)]
+    if not kept:
+        raise ValueError(
+            f"sparsity.exclude={exclude!r} leaves no weight of {type(model).__name__} to sparsify; "
+            "use sparsity.density=1.0 or exclude fewer weights"
+        )
+    return kept
+
+
+def apply_techniques(
+    cfg: DictConfig, recipe: Recipe, model: nn.Module, data: RecipeData, device: torch.device, policy: PrecisionPolicy
+) -> Trainer:
+    """The techniques on ``model`` (on ``device``, FP32, any ``nn.Module``), in the order they
+    require, and the trainer over them: the one path of the recipes and of ``lowmem.prepare``."""
     defaults = recipe.table_defaults(cfg.sparsity.density)
     # 2. Simulated microbatching makes every BatchNorm compute statistics per group of examples
     #    (in place: same modules, parameters and state-dict keys).
@@ -490,30 +523,34 @@ def build_trainer(cfg: DictConfig) -> Trainer:
     #    active.
     sparsity = None
     if cfg.sparsity.density < 1.0:
-        sparsity = DynamicSparsity(
-            model,
-            recipe.sparsifiable_weights(model),
-            cfg.sparsity.density,
-            schedule=recipe.rewire_schedule(cfg, _run_epochs(cfg, data)),
-            rewire_fraction=cfg.sparsity.rewire_fraction,
-            fraction_mult=_pick(cfg.sparsity.rewire_fraction_mult, defaults.rewire_fraction_mult),
-            freq_mult=_pick(cfg.sparsity.rewire_freq_mult, defaults.rewire_freq_mult),
-            init_threshold=cfg.sparsity.init_threshold,
-            seed=cfg.trainer.seed,
-            storage=cfg.sparsity.storage,
-            init=recipe.sparse_init,
-        )
-    # 5. Checkpointing last among the model transforms: it changes how blocks are *run*, so it
-    #    wraps whatever the blocks have become. `optimal` places checkpoints for this rank's first
+        with _refusals_as_config_errors():
+            names = sparse_weights(cfg, recipe, model)
+            sparsity = DynamicSparsity(
+                model,
+                names,
+                cfg.sparsity.density,
+                schedule=recipe.rewire_schedule(cfg, _run_epochs(cfg, data)),
+                rewire_fraction=cfg.sparsity.rewire_fraction,
+                fraction_mult=_pick(cfg.sparsity.rewire_fraction_mult, defaults.rewire_fraction_mult),
+                freq_mult=_pick(cfg.sparsity.rewire_freq_mult, defaults.rewire_freq_mult),
+                init_threshold=cfg.sparsity.init_threshold,
+                seed=cfg.trainer.seed,
+                storage=cfg.sparsity.storage,
+                init=recipe.sparse_init,
+            )
+    # 5. Checkpointing last among the model transforms: it changes how blocks are *run* (a model's
+    #    declared residual stacks, or the chains of blocks found in any model), so it wraps
+    #    whatever the blocks have become. `optimal` places checkpoints for this rank's first
     #    minibatch, accounted through a provisional trainer over the unwrapped model: the very step
     #    lowmem.profile accounts, so its budget holds for the figure lowmem.profile prints.
+    blocks = name_list(cfg.checkpointing.blocks, "checkpointing.blocks")
     if cfg.checkpointing.strategy == "optimal":
         provisional = Trainer(cfg, recipe, model, data, policy, sparsity, defaults, device)
-        apply_optimal_checkpointing(provisional, cfg.checkpointing.budget_mb)
-        del provisional  # its optimizer state must not coexist with the real trainer's
-    elif cfg.checkpointing.strategy != "none":
         with _refusals_as_config_errors():
-            blocks = name_list(cfg.checkpointing.blocks, "checkpointing.blocks")
+            apply_optimal_checkpointing(provisional, cfg.checkpointing.budget_mb, blocks)
+        del provisional  # its optimizer state must not coexist with the real trainer's
+    elif cfg.checkpointing.strategy != "none" or blocks:
+        with _refusals_as_config_errors():
             apply_checkpointing(model, cfg.checkpointing.strategy, cfg.checkpointing.every, blocks)
     # 6. Data parallel wrapper outermost (it hooks the gradients of the final parameters).
     model = distributed.wrap_model(model, device, sync_batchnorm=cfg.trainer.sync_batchnorm)

@@ -267,9 +267,9 @@ def test_bad_knobs_are_rejected(strategy, every, message):
         validate_checkpointing(strategy, every)
 
 
-def test_model_without_residual_blocks_is_rejected():
+def test_model_without_blocks_is_rejected_naming_the_knob():
     apply_checkpointing(nn.Linear(2, 2), "none")  # nothing to do, not an error
-    with pytest.raises(ValueError, match="checkpointing.strategy='residual'.*Linear"):
+    with pytest.raises(ValueError, match="no chain of blocks found in Linear.*checkpointing.blocks"):
         apply_checkpointing(nn.Linear(2, 2), "residual")
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,7 +37,8 @@ from torch import nn
 from lowmem.planning.schedule import BlockCosts, ChainCosts
 from lowmem.profiler import ActivationTrace, account_activations
 from lowmem.profiler.step import distinct_microbatches
-from lowmem.residual import residual_stacks, routes_norm_relu_conv, set_block_executor
+from lowmem.residual import residual_stacks, routes_norm_relu_conv, run_sequentially, set_block_executor
+from lowmem.techniques.chains import find_block_chains, install_chains, installed_runners
 from lowmem.techniques.checkpointing import Segment, apply_checkpointing, run_segments, set_recompute_norm
 
 
@@ -64,19 +65,31 @@ class _TensorSpec:
 
 @dataclass
 class _StackCall:
-    """What one residual stack was called with in the recorded pass."""
+    """What one residual stack (or chain of blocks) was called with in the recorded pass."""
 
-    stack: int  # index in lowmem.residual.residual_stacks order
+    stack: int  # index in _stacks order
     inputs: list[_TensorSpec]  # each block's input, then the stack's output
-    context: tuple  # _TensorSpec for tensors, the values themselves otherwise
+    contexts: list[tuple]  # per block, its other arguments: _TensorSpec for tensors, the values otherwise
     autocast: tuple[str, bool, torch.dtype]
+    keywords: list[dict] = field(default_factory=list)  # per block, its keyword arguments (chains only)
 
-    def make_context(self) -> tuple:
-        return tuple(item.make() if isinstance(item, _TensorSpec) else item for item in self.context)
+    def make_context(self, index: int) -> tuple:
+        return tuple(_made(item) for item in self.contexts[index])
+
+    def make_keywords(self, index: int) -> dict:
+        return {key: _made(item) for key, item in (self.keywords[index] if self.keywords else {}).items()}
 
     def autocast_context(self) -> torch.autocast:
         device_type, enabled, dtype = self.autocast
         return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+
+
+def _spec(item: Any) -> Any:
+    return _TensorSpec.of(item) if isinstance(item, torch.Tensor) else item
+
+
+def _made(item: Any) -> Any:
+    return item.make() if isinstance(item, _TensorSpec) else item
 
 
 class _StackReached(Exception):
@@ -89,6 +102,8 @@ class _Recorder:
     def __init__(self, stop_at: int | None = None, backprop_before: bool = False) -> None:
         self.calls: list[_StackCall] = []
         self.kept: list[torch.Tensor] = []
+        self._open: tuple[_StackCall, bool] | None = None  # a chain's call being recorded
+        self._last: torch.Tensor | None = None  # the chain's last block output
         self.stop_at = stop_at
         self.backprop_before = backprop_before  # run the backward of what comes before the stacks
 
@@ -99,23 +114,60 @@ class _Recorder:
             raise RuntimeError("measuring checkpoint costs needs a training step with autograd on")
         self.kept.append(x)  # the graph before the stack stays alive, as in the real step
         device = x.device.type
-        call = _StackCall(
-            stack,
-            [],
-            tuple(_TensorSpec.of(item) if isinstance(item, torch.Tensor) else item for item in context),
-            (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)),
-        )
+        context_values, context = context, tuple(_spec(item) for item in context)
+        autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        call = _StackCall(stack, [], [context] * len(blocks), autocast)
         needs_grad = x.requires_grad
         with torch.no_grad():
             for block in blocks:
                 call.inputs.append(_TensorSpec.of(x, needs_grad))
-                x = block(x, *context)
+                x = block(x, *context_values)
                 needs_grad = needs_grad or any(p.requires_grad for p in block.parameters())
             call.inputs.append(_TensorSpec.of(x, needs_grad))
+        return self._finish(call, x, needs_grad)
+
+    def _finish(self, call: _StackCall, x: torch.Tensor, needs_grad: bool) -> torch.Tensor:
         self.calls.append(call)
         if self.backprop_before and self.kept[-1].requires_grad:
             return _Bridge.apply(self.kept[-1], x)
         return x.requires_grad_(needs_grad)
+
+    def observe(self, stack: int, runner: Any, index: int, args: tuple, kwargs: dict) -> Any:
+        """The same for a chain of blocks (``lowmem.techniques.chains``), one block call at a time:
+        each block must be called on the previous one's output, in order, once per forward."""
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor):
+            raise ValueError("checkpointing.strategy=optimal needs blocks whose first argument is a tensor")
+        if index == 0:
+            if len(self.calls) == self.stop_at:
+                raise _StackReached
+            if not torch.is_grad_enabled():
+                raise RuntimeError("measuring checkpoint costs needs a training step with autograd on")
+            self.kept.append(x)
+            device = x.device.type
+            autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+            self._open = (_StackCall(stack, [], [], autocast, []), x.requires_grad)
+        elif self._open is None or self._open[0].stack != stack or len(self._open[0].inputs) != index or (
+            self._last is not x
+        ):
+            raise ValueError(
+                f"checkpointing.strategy=optimal needs each chain's blocks called one after another, each on the "
+                f"previous one's output; block {runner.chain.names[index]} was not (name the blocks that are "
+                "with checkpointing.blocks=..., or use checkpointing.strategy=residual / residual_star)"
+            )
+        call, needs_grad = self._open
+        call.inputs.append(_TensorSpec.of(x, needs_grad))
+        call.contexts.append(tuple(_spec(item) for item in args[1:]))
+        call.keywords.append({key: _spec(item) for key, item in kwargs.items()})
+        with torch.no_grad():
+            output = runner.forwards[index].plain(*args, **kwargs)
+        needs_grad = needs_grad or any(p.requires_grad for p in runner.blocks[index].parameters())
+        if index + 1 < len(runner.blocks):
+            self._open, self._last = (call, needs_grad), output
+            return output
+        self._open = self._last = None
+        call.inputs.append(_TensorSpec.of(output, needs_grad))
+        return self._finish(call, output, needs_grad)
 
 
 class _Bridge(torch.autograd.Function):
@@ -137,20 +189,38 @@ def measure_chain(trainer: Any) -> ChainCosts:
 
     trainer: a ``lowmem.trainer.Trainer`` (only ``unwrapped_model``, ``example_batch``,
         ``microbatches`` and ``microbatch_backward`` are used: the planner does not import it).
+        Its model declares residual stacks, or has chains of blocks installed
+        (``lowmem.techniques.chains``); one without either gets them detected here.
     """
     model = trainer.unwrapped_model
-    if not residual_stacks(model):
-        raise ValueError(
-            f"checkpointing.strategy=optimal needs residual blocks, but {type(model).__name__} exposes none "
-            "(a non-empty `residual_blocks` nn.ModuleList); use checkpointing.strategy=none"
-        )
+    if not residual_stacks(model) and not installed_runners(model):
+        install_chains(model, find_block_chains(model))
     model.train()
     distinct = distinct_microbatches(trainer, trainer.example_batch())
     try:
         chains = [(_measure_microbatch(trainer, part, weight), count) for part, weight, count in distinct]
     finally:
+        _record_with(model, None)
         apply_checkpointing(model, "none")
     return _merge(chains)
+
+
+def _stacks(model: nn.Module) -> list[list[nn.Module]]:
+    """The blocks of each stack: the model's declared residual stacks, or its installed chains."""
+    declared = residual_stacks(model)
+    if declared:
+        return [list(stack.residual_blocks) for stack in declared]
+    return [runner.blocks for runner in installed_runners(model)]
+
+
+def _record_with(model: nn.Module, recorder: _Recorder | None) -> None:
+    """Make every stack (chain) of ``model`` report to ``recorder``, or run plainly again (None)."""
+    declared = residual_stacks(model)
+    for index, stack in enumerate(declared):
+        set_block_executor(stack, run_sequentially if recorder is None else functools.partial(recorder.run, index))
+    if not declared:
+        for index, runner in enumerate(installed_runners(model)):
+            runner.observer = None if recorder is None else functools.partial(recorder.observe, index)
 
 
 def _step(trainer: Any, weight: float, part: Any) -> None:
@@ -162,13 +232,12 @@ def _step(trainer: Any, weight: float, part: Any) -> None:
 
 def _measure_microbatch(trainer: Any, part: Any, weight: float) -> ChainCosts:
     model = trainer.unwrapped_model
-    stacks = residual_stacks(model)
+    stacks = _stacks(model)
     step = functools.partial(_step, trainer, weight)
 
     def recorded_pass(stop_at: int | None, backprop_before: bool = False) -> tuple[ActivationTrace, _Recorder]:
         recorder = _Recorder(stop_at, backprop_before)
-        for index, stack in enumerate(stacks):
-            set_block_executor(stack, functools.partial(recorder.run, index))
+        _record_with(model, recorder)
         return account_activations(step, model, inputs=part), recorder
 
     whole, recorder = recorded_pass(None, backprop_before=True)  # FLOPs: the whole step but the stacks
@@ -180,16 +249,17 @@ def _measure_microbatch(trainer: Any, part: Any, weight: float) -> ChainCosts:
     if sorted(call.stack for call in calls) != list(range(len(stacks))):
         raise ValueError("checkpointing.strategy=optimal needs every residual stack to run exactly once per forward")
     held_outside = tuple(recorded_pass(position)[0].activation_bytes for position in range(len(calls)))
+    _record_with(model, None)
     apply_checkpointing(model, "none")
     measured: dict[tuple, BlockCosts] = {}
     blocks = []
     for call in calls:
-        for index, block in enumerate(stacks[call.stack].residual_blocks):
+        for index, block in enumerate(stacks[call.stack]):
             key = _signature(block, call, index)
             if key not in measured:
                 measured[key] = _measure_block(block, call, index)
             blocks.append(measured[key])
-    sizes = tuple(len(stacks[call.stack].residual_blocks) for call in calls)
+    sizes = tuple(len(stacks[call.stack]) for call in calls)
     # The recorded pass ran every block's forward once, without autograd, besides the rest.
     outside_flops = whole.flops - sum(block.forward_flops for block in blocks)
     order = tuple(call.stack for call in calls)
@@ -199,7 +269,19 @@ def _measure_microbatch(trainer: Any, part: Any, weight: float) -> ChainCosts:
 def _signature(block: nn.Module, call: _StackCall, index: int) -> tuple:
     """Blocks with equal signatures cost the same: same structure, parameters and inputs."""
     params = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters())
-    return (repr(block), params, call.inputs[index], repr(call.context), call.autocast, routes_norm_relu_conv(block))
+    arguments = repr((call.contexts[index], call.keywords[index] if call.keywords else {}))
+    return (repr(block), params, call.inputs[index], arguments, call.autocast, routes_norm_relu_conv(block))
+
+
+class _WithKeywords(nn.Module):
+    """A chain's block called with its recorded keyword arguments, as one-argument-list module."""
+
+    def __init__(self, block: nn.Module, keywords: dict) -> None:
+        super().__init__()
+        self.block, self.keywords = block, keywords
+
+    def forward(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        return self.block(x, *args, **self.keywords)
 
 
 def _measure_block(block: nn.Module, call: _StackCall, index: int) -> BlockCosts:
@@ -211,12 +293,13 @@ def _measure_block(block: nn.Module, call: _StackCall, index: int) -> BlockCosts
         def step() -> None:
             set_recompute_norm(block, segment.recompute_norm)
             x = spec.make()
+            keywords = call.make_keywords(index)
+            runnable = _WithKeywords(block, keywords) if keywords else block
             with call.autocast_context():
-                out = run_segments([block], x.view_as(x), call.make_context(), (segment,))
+                out = run_segments([runnable], x.view_as(x), call.make_context(index), (segment,))
             out.backward(torch.empty_like(out))
 
         return step
-
     routes = routes_norm_relu_conv(block)
     norms = (False, True) if routes else (False,)
     traces = {

@@ -23,6 +23,7 @@ figures are those a run of its overrides gets.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from lowmem.config import ConfigError
 from lowmem.planning.measure import measure_chain
 from lowmem.planning.schedule import ChainCosts, Plan, cheapest_plan, describe, smallest_plan
 from lowmem.profiler import MB, profile_trainer
+from lowmem.techniques.chains import ensure_chains
 from lowmem.techniques.checkpointing import Segment, apply_schedule
 
 log = logging.getLogger("lowmem")
@@ -176,12 +178,15 @@ def _agreed_across_ranks(placement: CheckpointPlacement, budget: int) -> Account
     return max((chosen for _, chosen in gathered), key=lambda pair: pair[0])[1]
 
 
-def apply_optimal_checkpointing(trainer: Any, budget_mb: float) -> OptimalCheckpointing:
+def apply_optimal_checkpointing(trainer: Any, budget_mb: float, blocks: Sequence[str] = ()) -> OptimalCheckpointing:
     """Apply to ``trainer``'s model the cheapest schedule whose accounted activations fit ``budget_mb``
     (MB = 1e6 bytes); raise ``BudgetTooSmall`` (a ConfigError) when none does.
 
     trainer: a ``lowmem.trainer.Trainer`` over the model to checkpoint (see ``measure_chain``).
+    blocks: ``checkpointing.blocks``, the chains of blocks to place checkpoints in (a model that
+        declares no residual stacks has its chains detected when none are named).
     """
+    ensure_chains(trainer.unwrapped_model, blocks)
     budget = round(budget_mb * MB)
     placement = CheckpointPlacement(trainer)
     best = _agreed_across_ranks(placement, budget)

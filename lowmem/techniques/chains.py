@@ -437,3 +437,29 @@ def apply_to_chains(model: nn.Module, strategy: str, every: int, blocks: Sequenc
         ckpt.set_recompute_norm(block, recompute_norm)
     for runner in runners:
         runner.set_segments(ckpt.uniform_schedule(strategy, every, len(runner.blocks)))
+
+
+def apply_schedule_to_chains(model: nn.Module, schedules: Sequence[Sequence[ckpt.Segment]]) -> None:
+    """Run chain ``i`` of ``model`` (installed order) in the segments ``schedules[i]``."""
+    runners = installed_runners(model)
+    if len(schedules) != len(runners):
+        raise ValueError(f"{len(schedules)} schedules for the {len(runners)} block chains of {type(model).__name__}")
+    for runner, segments in zip(runners, schedules, strict=True):
+        start = 0
+        for segment in segments:
+            for block in runner.blocks[start : start + segment.blocks]:
+                if segment.recompute_norm and not ckpt.routes_norm_relu_conv(block):
+                    raise ValueError(f"segment {segment} recomputes BatchNorm-ReLU outputs, but {type(block).__name__} "
+                                     "does not route them through lowmem.residual.norm_relu_conv")
+                ckpt.set_recompute_norm(block, segment.recompute_norm)
+            start += segment.blocks
+        runner.set_segments(segments)
+
+
+def ensure_chains(model: nn.Module, blocks: Sequence[str] = ()) -> None:
+    """Install ``model``'s chains of blocks (named by ``blocks``, else found) unless the model declares
+    residual stacks and no ``blocks`` are named, or chains are installed already."""
+    if blocks:
+        install_chains(model, find_block_chains(model, blocks))
+    elif not ckpt.residual_stacks(model) and not installed_runners(model):
+        install_chains(model, find_block_chains(model))

@@ -146,6 +146,11 @@ def apply_schedule(model: nn.Module, schedules: Sequence[Sequence[Segment]]) -> 
     segments ``schedules[i]``, which must cover its blocks exactly. Like ``apply_checkpointing``,
     it changes only how blocks run, and calling it again replaces the previous schedule."""
     stacks = residual_stacks(model)
+    if not stacks:
+        from lowmem.techniques.chains import apply_schedule_to_chains  # builds on this module
+
+        apply_schedule_to_chains(model, schedules)
+        return
     if len(schedules) != len(stacks):
         raise ValueError(f"{len(schedules)} schedules for the {len(stacks)} residual stacks of {type(model).__name__}")
     for index, (stack, segments) in enumerate(zip(stacks, schedules, strict=True)):
