@@ -18,8 +18,10 @@ achievable total and its configuration.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,6 @@ from lowmem.config import ConfigError, register_configs
 from lowmem.planning.search import Candidate, Planner
 from lowmem.profiler import MB, profile_row
 from lowmem.run_files import save_json
-from lowmem.trainer import build_trainer
 
 register_configs()
 
@@ -70,35 +71,50 @@ def table(planner: Planner, found: list[Candidate], budget_mb: float) -> str:
 
 
 def plan(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
-    """Search, print the table and the chosen configuration's profile; return the JSON row."""
-    budget_mb = cfg.plan.budget_mb
-    if budget_mb is None or budget_mb <= 0:
-        raise ConfigError(f"plan.budget_mb={budget_mb!r} is not allowed: lowmem.plan needs the budget, MB > 0")
+    """``python -m lowmem.plan``: search, print the table and the chosen configuration's profile;
+    return the JSON row."""
     if cfg.plan.top < 1:
         raise ConfigError(f"plan.top={cfg.plan.top!r} is not allowed: a number of table rows >= 1")
+    return plan_search(overrides, cfg.plan.budget_mb, top=cfg.plan.top, verify=cfg.plan.verify)
+
+
+def plan_search(
+    overrides: Sequence[str],
+    budget_mb: float | None,
+    *,
+    top: int = 10,
+    verify: bool = False,
+    build: Callable[[DictConfig], Any] | None = None,
+    echo: bool = True,
+) -> dict[str, Any]:
+    """The search behind ``lowmem.plan`` and ``lowmem.api.plan``: ``build`` makes a trainer from a
+    configuration (default: a recipe's, ``build_trainer``); ``echo`` prints the table and profile."""
+    if budget_mb is None or not math.isfinite(budget_mb) or budget_mb <= 0:
+        raise ConfigError(f"plan.budget_mb={budget_mb!r} is not allowed: lowmem.plan needs the budget, a finite MB > 0")
+    say = print if echo else (lambda *args: None)
     started = time.perf_counter()
     budget = round(budget_mb * MB)
-    planner = Planner(overrides, budget)
-    found = planner.search(cfg.plan.top)
+    planner = Planner(overrides, budget, build=build)
+    found = planner.search(top)
     if not found:
         smallest = planner.smallest()
         raise NothingFits(budget_mb, smallest, planner.overrides(smallest))
     searched = time.perf_counter() - started
-    print(table(planner, found, budget_mb))
+    say(table(planner, found, budget_mb))
     # The chosen configuration, built from its overrides as lowmem.train will build it.
     for chosen in found:
-        report, row = profile_row(build_trainer(planner.compose(chosen)), cfg.plan.verify)
+        report, row = profile_row(planner.build(planner.compose(chosen)), verify)
         if row["total_bytes"] <= budget:
             break
-        print(f"(#{found.index(chosen) + 1} profiled at {row['total_bytes'] / MB:.3f} MB when built alone: skipped)")
+        say(f"(#{found.index(chosen) + 1} profiled at {row['total_bytes'] / MB:.3f} MB when built alone: skipped)")
     else:
         raise ConfigError(f"plan.budget_mb={budget_mb:g}: no configuration found fits when built alone")
     chosen_overrides = planner.overrides(chosen)
-    print(f"\nchosen: {' '.join(chosen_overrides) or '(the knobs as fixed)'}")
+    say(f"\nchosen: {' '.join(chosen_overrides) or '(the knobs as fixed)'}")
     if chosen.schedule:
-        print(f"optimal checkpoint schedule (per stack, forward order): {chosen.schedule}")
-    print(report.table())
-    print(f"searched in {searched:.1f} s")
+        say(f"optimal checkpoint schedule (per stack, forward order): {chosen.schedule}")
+    say(report.table())
+    say(f"searched in {searched:.1f} s")
     reported = planner.reported(chosen)
     return {
         "overrides": chosen_overrides,

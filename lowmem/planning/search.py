@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import hydra
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lowmem.config import ConfigError, compose
 from lowmem.planning.optimal import AccountedSchedule, CheckpointPlacement
@@ -116,7 +116,10 @@ class Planner:
     budget_bytes: the accounted total (model + optimizer + activations) to fit.
     """
 
-    def __init__(self, overrides: Sequence[str], budget_bytes: int) -> None:
+    def __init__(
+        self, overrides: Sequence[str], budget_bytes: int, build: Callable[[DictConfig], Trainer] | None = None
+    ) -> None:
+        self.build = build_trainer if build is None else build  # a trainer from a configuration
         given = [o for o in overrides if not knob_of(o).startswith(("hydra.", "plan."))]
         if any(knob_of(o) == "checkpointing.budget_mb" for o in given):
             raise ConfigError(
@@ -199,6 +202,8 @@ class Planner:
     def reported(self, candidate: Candidate) -> tuple[str, float, float] | None:
         """The report's accuracy figure for ``candidate`` (``lowmem.planning.reported``)."""
         cfg = self.cfg
+        if OmegaConf.is_missing(cfg, "recipe"):  # a loop of the user's own (lowmem.api.plan)
+            return None
         return reported_metric(
             cfg.recipe, cfg.model, cfg.data.batch_size, candidate.density, candidate.microbatch, candidate.precision
         )
@@ -302,7 +307,7 @@ class Planner:
     def _build(self, density: float, precision: str, microbatch: int | None) -> Trainer:
         size = "null" if microbatch is None else microbatch
         knobs = [f"sparsity.density={density}", f"precision={precision}", f"microbatch.size={size}"]
-        return build_trainer(compose_config(*self.base, *knobs, "checkpointing.strategy=none"))
+        return self.build(compose_config(*self.base, *knobs, "checkpointing.strategy=none"))
 
     def state_bytes(self, density: float, precision: str) -> StateBytes:
         """Model and optimizer bytes at ``density`` and ``precision`` (microbatching changes neither).

@@ -124,11 +124,18 @@ def build_classifier(knobs: dict[str, Any], *, num_classes: int, image_size: int
 def input_size_error(model: nn.Module, image_size: int, num_classes: int) -> str | None:
     """Why ``model`` cannot classify images of ``image_size`` pixels, or None if it can.
 
-    Shapes are probed with fake tensors; a refusal is confirmed by one real forward pass (on copies
-    of the buffers, the random state restored), since a model may do what fake tensors cannot.
+    Shapes are probed with fake tensors; a refusal is confirmed by one real forward pass, since a
+    model may do what fake tensors cannot.
     """
     if probe(model, image_size, num_classes) is None:
         return None
+    return forward_error(model, image_size, num_classes)
+
+
+def forward_error(model: nn.Module, image_size: int, num_classes: int) -> str | None:
+    """One real training-mode forward of a batch of 2 zero images of ``image_size`` pixels: the error
+    it raises or None. Runs on copies of the buffers with the random state restored afterwards, so
+    the model and the run's random numbers are as they were."""
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     images = torch.zeros(PROBE_BATCH, 3, image_size, image_size, device=_device(model))
     with torch.random.fork_rng(devices=[]), torch.no_grad(), _training(model):

@@ -1,0 +1,313 @@
+"""lowmem for a training loop of the user's own: ``prepare`` a model, then ``run.step`` per minibatch.
+
+::
+
+    import lowmem
+    run = lowmem.prepare(model, loss_fn, example_batch, overrides=["sparsity.density=0.3", "precision=bf16",
+        "microbatch.size=10", "checkpointing.strategy=residual_star", "checkpointing.every=2"])
+    for batch in loader:
+        metrics = run.step(batch)      # one optimizer step over the minibatch: {"loss": float, ...}
+    run.model                          # the model being trained (its own class, keys and forward)
+    run.profile()                      # lowmem.profile's JSON row, as a dict
+    sd = run.state_dict(); run.load_state_dict(sd)    # resume (bit-identical on CPU)
+    lowmem.plan(model, loss_fn, example_batch, budget_mb=8)   # {"overrides": [...], "total_bytes": ...}
+
+``loss_fn(model, batch)`` returns the mean loss over the batch's examples (a scalar tensor). A batch
+is a tensor or any (nested) tuple / list / dict of tensors with one length along dimension 0, the
+examples: true microbatches are slices along it, each loss weighted by its share of examples.
+Floating-point batch tensors are cast to the precision's input dtype and every tensor is moved
+to the training device. ``overrides`` are the command line's knobs (``lowmem/config.py``), with the
+same validation and messages; a user's loop has no epochs, so the defaults here differ in two:
+``optim.schedule=constant`` (the LR is ``optim.lr``) and DSR's rewiring schedule counts updates
+(the report's DynamicConv schedule of 50,000 updates, scaled to ``trainer.max_steps`` when set).
+
+This is the path the built-in recipes take too: the model goes through
+``lowmem.trainer.apply_techniques`` and is trained by the same ``Trainer``; only the task (loss,
+batch splitting) is the user's (``LoopTask``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, open_dict
+from torch import nn
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map_only, tree_unflatten
+
+from lowmem.config import ConfigError, validate
+from lowmem.planning.search import compose_config
+from lowmem.recipe import RecipeData, TechniqueDefaults
+from lowmem.techniques.precision import fast_cpu_half_kernels
+from lowmem.techniques.sparsity import DC_SCHEDULE, RewireSchedule
+from lowmem.techniques.targets import default_sparse_weights
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+RECIPE_NAME = "python"  # cfg.recipe of a run prepared from Python (no recipe group)
+# Knobs that belong to the command line's recipes and runs, not to a loop of the user's own.
+_NOT_FOR_LOOPS = ("recipe", "data", "logger", "hydra", "plan", "data.name", "data.root", "trainer.resume")
+
+
+def batch_examples(batch: Any, what: str = "batch") -> int:
+    """Examples in ``batch``: the common length of its tensors along dimension 0; raises ValueError
+    naming the tensors that disagree (or a batch without tensors)."""
+    lengths = {}
+    for path, leaf in tree_flatten_with_path(batch)[0]:
+        if isinstance(leaf, torch.Tensor):
+            if leaf.dim() == 0:
+                raise ValueError(
+                    f"{what}{keystr(path)} is 0-dimensional; every batch tensor has its examples along dim 0"
+                )
+            lengths[f"{what}{keystr(path)}"] = int(leaf.shape[0])
+    if not lengths:
+        raise ValueError(f"{what} holds no tensor: pass a tensor or a tuple/list/dict of tensors")
+    if len(set(lengths.values())) > 1:
+        shown = ", ".join(f"{path} has {n}" for path, n in lengths.items())
+        raise ValueError(
+            f"{what}: its tensors disagree on dimension 0 ({shown}); a batch is split into microbatches along "
+            "dimension 0, the examples, so every tensor must have the same length there"
+        )
+    return next(iter(lengths.values()))
+
+
+def split_examples(batch: Any, size: int) -> list[tuple[Any, float]]:
+    """``batch`` cut along dimension 0 into microbatches of ``size`` examples (views), each with its
+    share of the examples (a short last one included)."""
+    total = batch_examples(batch)
+    leaves, spec = tree_flatten(batch)
+    parts = []
+    for start in range(0, total, size):
+        stop = min(start + size, total)
+        piece = [leaf[start:stop] if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        parts.append((tree_unflatten(piece, spec), (stop - start) / total))
+    return parts
+
+
+class LoopTask:
+    """The recipe of a loop of the user's own: their loss; batches cut along dimension 0.
+
+    It implements the ``lowmem.recipe.Recipe`` interface the trainer reads (no data set, no
+    evaluation: the loop is the user's).
+    """
+
+    name = RECIPE_NAME
+    data_names: tuple[str, ...] = ()
+    primary_metric = "loss"
+    higher_is_better = False
+    sparse_init = "model"  # DSR keeps the model's own initialisation (inactive entries zeroed)
+
+    def __init__(self, loss_fn: LossFn) -> None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
+        self.loss_fn = loss_fn
+
+    def build_model(self, cfg: Any) -> nn.Module:
+        raise RuntimeError("a loop of the user's own brings its model (lowmem.prepare)")
+
+    def sparsifiable_weights(self, model: nn.Module) -> list[str]:
+        return default_sparse_weights(model)
+
+    def table_defaults(self, density: float) -> TechniqueDefaults:
+        return TechniqueDefaults(lr_mult=1.0, rewire_fraction_mult=1.0, rewire_freq_mult=1.0)
+
+    def rewire_schedule(self, cfg: Any, run_epochs: float) -> RewireSchedule:
+        # The report's update-counted schedule, its phases scaled to the run's updates when known.
+        scale = (cfg.trainer.max_steps or DC_SCHEDULE.stop / 0.95) / (DC_SCHEDULE.stop / 0.95)
+        return RewireSchedule(
+            starts=tuple(s * scale for s in DC_SCHEDULE.starts),
+            periods=DC_SCHEDULE.periods,
+            stop=DC_SCHEDULE.stop * scale,
+            unit="update",
+        )
+
+    def build_data(self, cfg: Any, device: torch.device, input_dtype: torch.dtype) -> RecipeData:
+        raise RuntimeError("a loop of the user's own brings its data (lowmem.prepare)")
+
+    def batch_size(self, batch: Any) -> int:
+        return batch_examples(batch)
+
+    def shard(self, batch: Any, rank: int, world_size: int) -> Any:
+        share = self.batch_size(batch) // world_size
+        return split_examples(batch, share)[rank][0]
+
+    def split(self, batch: Any, microbatch_size: int) -> Sequence[tuple[Any, float]]:
+        return split_examples(batch, microbatch_size)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        loss = self.loss_fn(model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"loss_fn(model, batch) returned {shape}: it must return the mean loss over the batch's examples, "
+                "a floating-point scalar tensor (e.g. F.cross_entropy(logits, labels))"
+            )
+        return loss.reshape(())
+
+    def evaluate(self, model: nn.Module, test: Any) -> dict[str, float]:
+        raise RuntimeError("a loop of the user's own evaluates its model itself (run.model)")
+
+
+class _ExampleBatches:
+    """The example batch as the trainer's "training data": the minibatch the profiler measures."""
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+
+    def __len__(self) -> int:
+        return 1
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
+        if start_batch == 0:
+            yield self.batch
+
+
+def loop_config(overrides: Sequence[str], examples: int) -> DictConfig:
+    """The configuration of a loop of the user's own: the CLI's schema, knobs and validation."""
+    overrides = list(overrides)
+    for override in overrides:
+        if not isinstance(override, str) or "=" not in override:
+            raise ConfigError(f"overrides: {override!r} is not a knob=value string (e.g. 'precision=bf16')")
+        knob = override.split("=", 1)[0].lstrip("+~")
+        if knob in _NOT_FOR_LOOPS or knob.startswith(("hydra.", "plan.", "logger.")):
+            raise ConfigError(
+                f"overrides: {knob} belongs to the command line's recipes and runs, not to lowmem.prepare "
+                "(it takes optim.*, sparsity.*, precision, microbatch.*, checkpointing.*, trainer.* knobs)"
+            )
+    defaults = ["optim.schedule=constant", f"data.batch_size={examples}", f"data.eval_batch_size={examples}"]
+    cfg = compose_config(*defaults, *overrides)
+    with open_dict(cfg):
+        cfg.recipe = RECIPE_NAME
+        cfg.data.name = "batches"
+    validate(cfg)
+    return cfg
+
+
+class Run:
+    """A model prepared for a loop of the user's own (see the module docstring)."""
+
+    def __init__(self, trainer: Any, task: LoopTask) -> None:
+        self.trainer, self.task = trainer, task
+
+    @property
+    def model(self) -> nn.Module:
+        """The model being trained: the user's own module, its parameter names and state-dict keys
+        unchanged (compact sparse weights read as ``<name>_values`` / ``<name>_positions``)."""
+        return self.trainer.unwrapped_model
+
+    @property
+    def config(self) -> DictConfig:
+        return self.trainer.config
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.trainer.optimizer
+
+    def step(self, batch: Any) -> dict[str, Any]:
+        """One optimizer step over ``batch`` (all its microbatches): ``{"loss": float, "loss_scale": float,
+        "skipped": bool, "lr": float}`` (``lr`` when the step was applied; ``rewiring`` when DSR rewired)."""
+        trainer = self.trainer
+        batch = to_training(batch, trainer.device, trainer.policy.input_dtype)
+        with fast_cpu_half_kernels(trainer.policy, trainer.device):
+            record = trainer.train_step(batch)
+        trainer.state.step += 1
+        trainer.state.batch_in_epoch += 1
+        return record
+
+    def profile(self, measure: bool | None = None) -> dict[str, Any]:
+        """``lowmem.profile``'s JSON row for the example batch: the report's accounting
+        (``model_bytes``, ``optimizer_bytes``, ``activation_bytes``, ``total_bytes``), ``flops``,
+        ``params`` and, with ``measure`` (default ``profile.measure_peak``), the measured
+        ``peak_bytes`` of one real step, after which the training state is put back as it was."""
+        from lowmem.profiler import profile_row
+
+        measure = self.config.profile.measure_peak if measure is None else measure
+        if not measure:
+            return profile_row(self.trainer, False)[1]
+        saved = _to_cpu(self.trainer.checkpoint_state())  # host memory: not part of what is measured
+        try:
+            return profile_row(self.trainer, True)[1]
+        finally:
+            self.trainer.load_checkpoint(saved)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to resume from: model, optimizer, loss scaler, sparsity, counters, RNG states."""
+        return self.trainer.checkpoint_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_checkpoint(state)
+
+
+def to_training(batch: Any, device: torch.device, input_dtype: torch.dtype, what: str = "batch") -> Any:
+    """``batch`` on the training ``device``, floating-point tensors in the precision's ``input_dtype``."""
+    batch_examples(batch, what)
+    return tree_map_only(
+        torch.Tensor, lambda t: t.to(device=device, dtype=input_dtype if t.is_floating_point() else t.dtype), batch
+    )
+
+
+def _to_cpu(state: Any) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), copy.copy(state))
+
+
+def _build(cfg: DictConfig, model: nn.Module, task: LoopTask, example_batch: Any) -> Any:
+    from lowmem import distributed
+    from lowmem.trainer import apply_techniques, start_run
+
+    device, policy = start_run(cfg)
+    distributed.init_from_environment(device)
+    model.to(device)
+    example = to_training(example_batch, device, policy.input_dtype, "example_batch")
+    data = RecipeData(
+        train=_ExampleBatches(example), test=None, description=f"example batch of {batch_examples(example)} examples"
+    )
+    return apply_techniques(cfg, task, model, data, device, policy)
+
+
+def prepare(model: nn.Module, loss_fn: LossFn, example_batch: Any, overrides: Sequence[str] = ()) -> Run:
+    """``model`` (any ``nn.Module``, modified in place) prepared for a loop of the user's own.
+
+    example_batch: a minibatch like those the loop will pass to ``run.step`` (its number of
+        examples is ``data.batch_size``: microbatch sizes are checked against it, and
+        ``run.profile()`` and ``plan`` measure it).
+    overrides: knobs as on the command line, e.g. ``["precision=bf16", "microbatch.size=10"]``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
+    task = LoopTask(loss_fn)
+    cfg = loop_config(overrides, batch_examples(example_batch, "example_batch"))
+    return Run(_build(cfg, model, task, example_batch), task)
+
+
+def plan(
+    model: nn.Module,
+    loss_fn: LossFn,
+    example_batch: Any,
+    budget_mb: float,
+    overrides: Sequence[str] = (),
+    top: int = 10,
+) -> dict[str, Any]:
+    """The best configuration of ``model`` whose accounted total fits ``budget_mb`` (MB = 1e6
+    bytes), searched as ``python -m lowmem.plan`` searches (``lowmem.planning.search``): a dict with
+    ``"overrides"`` (knob=value strings for ``prepare``), ``"total_bytes"`` and the accounting.
+    ``model`` is not modified (each configuration is built on a copy). Raises ConfigError when
+    nothing fits, naming the smallest achievable figure."""
+    from lowmem.plan import plan_search
+
+    if not isinstance(budget_mb, int | float) or isinstance(budget_mb, bool) or not math.isfinite(budget_mb):
+        raise ConfigError(f"budget_mb={budget_mb!r} is not allowed: a finite number of MB > 0")
+    task = LoopTask(loss_fn)
+    examples = batch_examples(example_batch, "example_batch")
+    loop_config(overrides, examples)  # the overrides are checked before any search
+
+    def build(cfg: DictConfig) -> Any:
+        with open_dict(cfg):
+            cfg.recipe = RECIPE_NAME
+            cfg.data.name = "batches"
+        validate(cfg)
+        return _build(cfg, copy.deepcopy(model), task, example_batch)
+
+    defaults = ["optim.schedule=constant", f"data.batch_size={examples}", f"data.eval_batch_size={examples}"]
+    return plan_search([*defaults, *overrides], budget_mb, top=top, build=build, echo=False)
