@@ -21,6 +21,7 @@ import json
 import math
 import sys
 import time
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,18 @@ def main(cfg: DictConfig) -> None:
     save_json(row, Path(HydraConfig.get().runtime.output_dir) / "plan.json")
     print(json.dumps(row), flush=True)
 
+
+class _PlanModule(types.ModuleType):
+    """``lowmem.plan`` is both this command's module and the function ``lowmem.api.plan``: importing
+    the module (which makes it the package's attribute) must leave ``lowmem.plan(...)`` working."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        from lowmem.api import plan as plan_model
+
+        return plan_model(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _PlanModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -39,3 +39,57 @@ SMALL_DC = (
 )
 
 __all__ = ["CONF", "ROOT", "SMALL_DC", "SMALL_DC_ARCH", "TINY_WRN", "make_config"]
+
+
+# --- models lowmem did not write (the "your model" API) ----------------------------------------------
+
+
+def tiny_gpt(vocab: int = 97, d: int = 32, layers: int = 3, heads: int = 4, ctx: int = 16, dropout: float = 0.1):
+    """A GPT-style model: pre-norm blocks in an nn.ModuleList called in a Python loop, the causal mask
+    passed to each block by the caller (as users write them)."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.attn = nn.MultiheadAttention(d, heads, dropout=dropout, batch_first=True)
+            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(dropout))
+
+        def forward(self, x, mask):
+            h = self.ln1(x)
+            x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+            return x + self.mlp(self.ln2(x))
+
+    class TinyGPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+        def forward(self, idx):
+            t = idx.shape[1]
+            mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=idx.device), 1)
+            x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+            for block in self.blocks:
+                x = block(x, mask)
+            return self.head(self.ln(x))
+
+    return TinyGPT()
+
+
+def lm_loss(model, batch):
+    import torch.nn.functional as F
+
+    idx, targets = batch
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def classification_loss(model, batch):
+    import torch.nn.functional as F
+
+    images, labels = batch
+    return F.cross_entropy(model(images), labels)
