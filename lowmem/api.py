@@ -41,6 +41,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from lowmem.config import ConfigError, validate
 from lowmem.planning.search import compose_config
 from lowmem.recipe import RecipeData, TechniqueDefaults
+from lowmem.techniques.compact import use_dense_keys
 from lowmem.techniques.precision import fast_cpu_half_kernels
 from lowmem.techniques.sparsity import DC_SCHEDULE, RewireSchedule
 from lowmem.techniques.targets import default_sparse_weights
@@ -193,8 +194,9 @@ class Run:
 
     @property
     def model(self) -> nn.Module:
-        """The model being trained: the user's own module, its parameter names and state-dict keys
-        unchanged (compact sparse weights read as ``<name>_values`` / ``<name>_positions``)."""
+        """The model being trained: the user's own module and forward; its state-dict keys are the
+        model's own under every technique (a compact sparse weight is saved as its dense tensor and
+        loads from one; its parameters are ``<name>_values``, the active entries)."""
         return self.trainer.unwrapped_model
 
     @property
@@ -263,7 +265,10 @@ def _build(cfg: DictConfig, model: nn.Module, task: LoopTask, example_batch: Any
     data = RecipeData(
         train=_ExampleBatches(example), test=None, description=f"example batch of {batch_examples(example)} examples"
     )
-    return apply_techniques(cfg, task, model, data, device, policy)
+    trainer = apply_techniques(cfg, task, model, data, device, policy)
+    # The user's checkpoint and evaluation code read the dense model's keys, sparse or not.
+    use_dense_keys(trainer.unwrapped_model)
+    return trainer
 
 
 def prepare(model: nn.Module, loss_fn: LossFn, example_batch: Any, overrides: Sequence[str] = ()) -> Run:

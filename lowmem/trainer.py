@@ -31,7 +31,7 @@ from lowmem.recipe import Recipe, RecipeData, TechniqueDefaults, get_recipe
 from lowmem.run_files import CHECKPOINT, METRICS, MODEL, RESULT, provenance, save_json, save_torch
 from lowmem.schedules import learning_rate
 from lowmem.techniques.checkpointing import apply_checkpointing
-from lowmem.techniques.compact import dense_copy, dense_state_dict
+from lowmem.techniques.compact import compact_state_dict_keys, dense_copy, dense_state_dict
 from lowmem.techniques.convolutions import tune_convolutions
 from lowmem.techniques.microbatch import apply_simulated_microbatching, no_sync_except_last
 from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
@@ -327,8 +327,10 @@ class Trainer:
 
     # --- resume --------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
+        with compact_state_dict_keys():  # positions and values, as they are: the exact state
+            model_state = self.unwrapped_model.state_dict()
         return {
-            "model": self.unwrapped_model.state_dict(),
+            "model": model_state,
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "sparsity": self.sparsity.state_dict() if self.sparsity is not None else None,
@@ -356,7 +358,8 @@ class Trainer:
         # then the model's state dict fills in their values and positions.
         if self.sparsity is not None:
             self.sparsity.load_state_dict(checkpoint["sparsity"])
-        self.unwrapped_model.load_state_dict(checkpoint["model"])
+        with compact_state_dict_keys():
+            self.unwrapped_model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scaler.load_state_dict(checkpoint["scaler"])
         self.state = TrainState(**checkpoint["trainer"])

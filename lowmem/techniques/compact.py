@@ -23,6 +23,7 @@ decoder's output projection, say). The state-dict keys change (``conv.weight`` b
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -410,3 +411,69 @@ def dense_copy(model: nn.Module) -> nn.Module:
     for _, module, attr in list(compact_modules(clone)):
         _uninstall(module, attr, dense_weight(module, attr).clone())
     return clone
+
+
+# --- the dense model's state-dict keys, for a model prepared for a user's own loop -------------------
+
+_RAW_KEYS = [0]  # > 0 inside compact_state_dict_keys()
+
+
+@contextlib.contextmanager
+def compact_state_dict_keys() -> Iterator[None]:
+    """Inside, a model given ``use_dense_keys`` saves and loads its compact entries as they are
+    (``<name>_values`` / ``<name>_positions``): what a resumable checkpoint needs."""
+    _RAW_KEYS[0] += 1
+    try:
+        yield
+    finally:
+        _RAW_KEYS[0] -= 1
+
+
+def use_dense_keys(model: nn.Module) -> None:
+    """Make ``model.state_dict()`` and ``model.load_state_dict()`` use the dense model's keys: each
+    compact weight is saved as its dense tensor under its own key (``conv.weight``), in its place,
+    and a dense weight loaded is stored at the current active positions (it must be zero elsewhere).
+    So a user's checkpoint and evaluation code keep working on a sparse model."""
+    if getattr(model, "_lowmem_dense_keys", False):
+        return
+    model._register_state_dict_hook(_save_dense_keys)
+    model.register_load_state_dict_pre_hook(_load_dense_keys)
+    object.__setattr__(model, "_lowmem_dense_keys", True)
+
+
+def _save_dense_keys(model: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    if _RAW_KEYS[0]:
+        return
+    dense = {}
+    for path, module, attr in compact_modules(model):
+        key = prefix + (f"{path}.{attr}" if path else attr)
+        dense[key + _VALUES] = (key, dense_weight(module, attr).detach())
+    if not dense:
+        return
+    items = list(state.items())
+    state.clear()
+    for key, value in items:
+        if key in dense:
+            name, weight = dense[key]
+            state[name] = weight
+        elif not (key.endswith(_POSITIONS) and key[: -len(_POSITIONS)] + _VALUES in dense):
+            state[key] = value
+
+
+def _load_dense_keys(model: nn.Module, state: dict, prefix: str, *args: object) -> None:
+    if _RAW_KEYS[0]:
+        return
+    for path, module, attr in compact_modules(model):
+        key = prefix + (f"{path}.{attr}" if path else attr)
+        if key not in state:
+            continue
+        weight = state.pop(key).reshape(-1)
+        positions = _positions(module, attr)
+        values = weight.index_select(0, positions.to(weight.device).long())
+        if int(weight.count_nonzero()) != int(values.count_nonzero()):
+            raise ValueError(
+                f"load_state_dict: {key} has nonzero entries outside the sparse weight's active positions "
+                "(a dense weight loads into a sparse model only where the model's mask is active)"
+            )
+        state[key + _VALUES] = values
+        state[key + _POSITIONS] = positions.detach().clone()
