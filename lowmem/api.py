@@ -29,6 +29,7 @@ batch splitting) is the user's (``LoopTask``).
 from __future__ import annotations
 
 import copy
+import io
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -228,11 +229,14 @@ class Run:
         measure = self.config.profile.measure_peak if measure is None else measure
         if not measure:
             return profile_row(self.trainer, False)[1]
-        saved = _to_cpu(self.trainer.checkpoint_state())  # host memory: not part of what is measured
+        # The state is kept as serialized bytes, not tensors: nothing the measurement counts.
+        saved = io.BytesIO()
+        torch.save(self.trainer.checkpoint_state(), saved)
         try:
             return profile_row(self.trainer, True)[1]
         finally:
-            self.trainer.load_checkpoint(saved)
+            saved.seek(0)
+            self.trainer.load_checkpoint(torch.load(saved, map_location="cpu", weights_only=True))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything to resume from: model, optimizer, loss scaler, sparsity, counters, RNG states."""
@@ -248,10 +252,6 @@ def to_training(batch: Any, device: torch.device, input_dtype: torch.dtype, what
     return tree_map_only(
         torch.Tensor, lambda t: t.to(device=device, dtype=input_dtype if t.is_floating_point() else t.dtype), batch
     )
-
-
-def _to_cpu(state: Any) -> Any:
-    return tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), copy.copy(state))
 
 
 def _build(cfg: DictConfig, model: nn.Module, task: LoopTask, example_batch: Any) -> Any:

@@ -7,14 +7,13 @@ recipe does (10 classes, random weights) and probes one training-mode forward of
 tensors (shapes only) at 32 pixels; for a model that refuses, the smallest working size (scanning
 up from 33 pixels) and which sizes after it work. ``--verify`` repeats the boundary sizes with real
 forward passes on the CPU (slower), checking that the fake probe agrees. Prints a Markdown table;
-about two minutes on two CPU cores (most of it building the models).
+about three minutes on two CPU cores (most of it building the models; ``--verify``: six).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import math
 import time
 import warnings
 
@@ -32,15 +31,19 @@ def smallest_working_size(model: nn.Module, start: int) -> int | None:
 
 
 def describe(model: nn.Module, smallest: int) -> str:
-    """Which sizes from ``smallest`` to ``smallest + FOLLOWING`` work: all, only one, or a stride."""
-    sizes = range(smallest, smallest + FOLLOWING + 1)
-    works = [size for size in sizes if probe(model, size, NUM_CLASSES) is None]
-    if len(works) == len(sizes):
+    """Which sizes from ``smallest`` to ``smallest + FOLLOWING`` work, as ranges (``221-224``)."""
+    last = smallest + FOLLOWING
+    works = [size for size in range(smallest, last + 1) if probe(model, size, NUM_CLASSES) is None]
+    if works == list(range(smallest, last + 1)):
         return f"any size >= {smallest}"
-    if works == [smallest]:
-        return f"exactly {smallest}"
-    stride = math.gcd(*(b - a for a, b in zip(works, works[1:], strict=False)))
-    return f"{', '.join(map(str, works))} (of {smallest}..{smallest + FOLLOWING}; stride {stride})"
+    runs: list[list[int]] = []
+    for size in works:
+        if runs and size == runs[-1][-1] + 1:
+            runs[-1].append(size)
+        else:
+            runs.append([size])
+    ranges = [str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs]
+    return f"only {', '.join(ranges)} (of {smallest}-{last})"
 
 
 def main() -> None:
@@ -50,8 +53,10 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
     names = args.models.split(",") if args.models else torchvision_classifiers()
-    print(f"| model | params (M) | at {IMAGE_SIZE} px | smallest working size | sizes that work |" +
-          (" real forward agrees |" if args.verify else ""))
+    print(
+        f"| model | params (M) | at {IMAGE_SIZE} px | smallest working size | sizes that work |"
+        + (" real forward agrees |" if args.verify else "")
+    )
     print("|---|---|---|---|---|" + ("---|" if args.verify else ""))
     started = time.perf_counter()
     for name in names:

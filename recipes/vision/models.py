@@ -26,6 +26,7 @@ import torchvision
 from torch import nn
 from torch._subclasses import fake_tensor
 from torch.func import functional_call
+from torch.nn.parameter import is_lazy
 
 from lowmem.config import ConfigError
 
@@ -47,7 +48,9 @@ _PROBE_LIMITS = (
     fake_tensor.UnsupportedFakeTensorException,
     fake_tensor.UnsupportedOperatorException,
 )
-LIST_HINT = "list them with: python -c 'import torchvision; print(torchvision.models.list_models(module=torchvision.models))'"
+LIST_HINT = (
+    "list them with: python -c 'import torchvision; print(torchvision.models.list_models(module=torchvision.models))'"
+)
 
 
 def torchvision_classifiers() -> list[str]:
@@ -104,20 +107,25 @@ def build_classifier(knobs: dict[str, Any], *, num_classes: int, image_size: int
     constructor, kwargs, description = model_constructor(knobs, num_classes)
     try:
         model = constructor(**kwargs)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, AssertionError) as error:  # torchvision asserts on bad arguments
         given = sorted(key for key, value in knobs.items() if value is not None and key not in ("arch", "_target_"))
         keys = ", ".join(f"model.{key}" for key in given) or "none given"
-        raise ConfigError(f"{description} refuses the keyword arguments (model.*: {keys}): {one_line(error)}") from error
+        raise ConfigError(
+            f"{description} refuses the keyword arguments (model.*: {keys}): {one_line(error)}"
+        ) from error
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{description} built a {type(model).__name__}, not a torch.nn.Module")
-    error = input_size_error(model, image_size, num_classes)
+    # Lazy modules take their shapes from a first batch: a real one, at the run's image size.
+    lazy = any(is_lazy(parameter) for parameter in model.parameters())
+    error = forward_error(model, image_size, num_classes) if lazy else input_size_error(model, image_size, num_classes)
     if error is not None:
-        works = [size for size in CANDIDATE_SIZES if size != image_size and probe(model, size, num_classes) is None]
-        hint = f"the smallest size tried that works is {works[0]}" if works else "no size tried works"
-        raise ConfigError(
-            f"data.image_size={image_size} does not fit {description}: {error}; {hint} "
-            f"(set data.image_size; tried {', '.join(map(str, CANDIDATE_SIZES))})"
+        works = [] if lazy else [s for s in CANDIDATE_SIZES if s != image_size and probe(model, s, num_classes) is None]
+        hint = (
+            f"; the smallest size that works of {', '.join(map(str, CANDIDATE_SIZES))} is {works[0]}" if works else ""
         )
+        if str(knobs.get("arch")).startswith("vit_"):
+            hint += "; or build the transformer for the size: +model.image_size=N (a multiple of its patch size)"
+        raise ConfigError(f"{description} cannot classify images of data.image_size={image_size}: {error}{hint}")
     return model
 
 
