@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_memory.py
 	$(PY) scripts/table4_memory.py
 	$(PY) scripts/optimal_curve.py
+	$(PY) scripts/bench_your_model.py
 
 # Optional: fairseq (a Python 3.11 fork, built against the installed torch, ~4 min) for the parity
 # tests in tests/test_fairseq_parity.py, which are skipped without it.
