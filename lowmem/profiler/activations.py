@@ -5,7 +5,10 @@ and backward pass, of the bytes alive in three kinds of tensors, each storage co
 
 - saved: what autograd holds for backward (saved tensors), parameters and buffers excluded. A
   tensor ReLU saves for itself counts 1 bit per element (a sign mask suffices); ops that save
-  nothing (add, view, transpose) count nothing by construction.
+  nothing (add, view, transpose) count nothing by construction. A saved view of a storage the
+  step created counts the whole storage (it keeps it alive: the value chunk of a fused
+  query-key-value projection holds all three); a view of data from outside the step (a
+  microbatch slice of the minibatch) counts the bytes its views span.
 - recomputed: what a checkpoint's backward computes again *and holds for backward*: tensors
   saved by the recomputed graph (packed while a custom ``autograd.Function``'s backward runs),
   counted exactly like the original forward's saved tensors. Recomputed tensors nothing saves
@@ -92,10 +95,17 @@ def held_bytes(tensor: torch.Tensor) -> int:
     one; a microbatch slice of a minibatch counts the microbatch only). A bool tensor (a dropout
     or padding mask) counts its real storage, a byte per element: only ReLU's own saved output is
     counted at 1 bit (SPEC §4)."""
+    start, end = held_range(tensor)
+    return end - start
+
+
+def held_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The byte range [start, end) of its storage that ``tensor`` spans (``held_bytes``)."""
     if tensor.numel() == 0:
-        return 0
+        return 0, 0
     span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
-    return min(span * tensor.element_size(), tensor.untyped_storage().nbytes())
+    start = tensor.storage_offset() * tensor.element_size()
+    return start, min(start + span * tensor.element_size(), tensor.untyped_storage().nbytes())
 
 
 class _Handle:
@@ -112,10 +122,11 @@ class _Entry:
     """One counted key: its bytes, how many holders keep it, its category and, for a gradient,
     how many nodes it is still waiting for and how many running nodes are reading it."""
 
-    __slots__ = ("nbytes", "holders", "category", "waiting", "readers")
+    __slots__ = ("nbytes", "holders", "category", "waiting", "readers", "start", "end")
 
-    def __init__(self, nbytes: int, category: str) -> None:
+    def __init__(self, nbytes: int, category: str, start: int = 0) -> None:
         self.nbytes, self.holders, self.category = nbytes, 1, category
+        self.start, self.end = start, start + nbytes  # the byte range of the storage seen in views
         self.waiting = self.readers = 0
 
     @property
@@ -158,23 +169,26 @@ class _Ledger:
         if entry.needed != before:
             self.needed[entry.category] += entry.nbytes if entry.needed else -entry.nbytes
 
-    def acquire(self, key: int, nbytes: int, category: str) -> None:
+    def acquire(self, key: int, nbytes: int, category: str, start: int = 0) -> None:
+        """Count ``nbytes`` from byte ``start`` of storage ``key`` (views of one storage, e.g. the
+        query, key and value chunks of one projection, count the range they cover together)."""
         self._note_backward_start()
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = _Entry(nbytes, category)
+            entry = self.entries[key] = _Entry(nbytes, category, start)
             self.held[category] += nbytes
             if entry.needed:
                 self.needed[category] += nbytes
         else:
             entry.holders += 1
-            if nbytes <= entry.nbytes:
+            low, high = min(entry.start, start), max(entry.end, start + nbytes)
+            if high - low <= entry.nbytes:
                 return
-            # A wider view of a storage already held: the storage counts its widest view.
-            self.held[entry.category] += nbytes - entry.nbytes
+            # Another part of a storage already held: the storage counts the range its views cover.
+            self.held[entry.category] += high - low - entry.nbytes
             if entry.needed:
-                self.needed[entry.category] += nbytes - entry.nbytes
-            entry.nbytes = nbytes
+                self.needed[entry.category] += high - low - entry.nbytes
+            entry.nbytes, entry.start, entry.end = high - low, low, high
         self.peak_stored = max(self.peak_stored, self.held["saved"] + self.held["recomputed"])
         self.peak_held = max(self.peak_held, sum(self.held.values()))
         if category != "gradient":  # gradients are evaluated when the node reading them starts
@@ -233,6 +247,11 @@ class ActivationTracer(TorchDispatchMode):
         # Storages computed from model state alone (parameter views, casts): gradients reaching
         # them are weight gradients. Grows during the step; entries leave when their storage dies.
         self.from_state = set(self.excluded)
+        # Storages created by the step's own ops (not the inputs' or the data's): a saved view of
+        # one holds the whole storage (the value chunk of a fused query-key-value projection keeps
+        # all three alive), while a view of pre-existing data counts only its span (a microbatch
+        # slice of the minibatch).
+        self.created: set[int] = set()
         self.saved_tensors = 0
         self.flops = 0
         self._mask_keys = itertools.count(-1, -1)  # negative: never a storage key
@@ -248,12 +267,16 @@ class ActivationTracer(TorchDispatchMode):
         handle = _Handle(tensor.detach())
         if self._saved_by_relu_itself(tensor):
             key, nbytes = next(self._mask_keys), math.ceil(tensor.numel() / 8)
+            start = 0
+        elif key in self.created:
+            start, nbytes = 0, tensor.untyped_storage().nbytes()
         else:
-            nbytes = held_bytes(tensor)
+            start, end = held_range(tensor)
+            nbytes = end - start
         # Saved while a custom Function's backward runs: a checkpoint's recomputed graph.
         recomputing = isinstance(torch._C._current_autograd_node(), BackwardCFunction)
         weakref.finalize(handle, self.ledger.release, key)
-        self.ledger.acquire(key, nbytes, "recomputed" if recomputing else "saved")
+        self.ledger.acquire(key, nbytes, "recomputed" if recomputing else "saved", start)
         return handle
 
     @staticmethod
@@ -291,6 +314,14 @@ class ActivationTracer(TorchDispatchMode):
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not outputs or func is torch.ops.aten.detach.default:  # the pack hook's own detach
             return out
+        # A new storage: not a view (of an input, or of real data a fake pass converted) nor in place.
+        aliases = any(r.alias_info is not None for r in func._schema.returns)
+        input_keys = {storage_key(t) for t in inputs}
+        for tensor in [] if aliases else outputs:
+            key = storage_key(tensor)
+            if key not in input_keys and key not in self.created:
+                self.created.add(key)
+                weakref.finalize(tensor.untyped_storage(), self.created.discard, key)
         self._last_op = func.overloadpacket.__name__
         state_inputs = [t for t in inputs if storage_key(t) in self.from_state]
         if inputs and len(state_inputs) == len(inputs):
