@@ -35,7 +35,7 @@ from __future__ import annotations
 import difflib
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -263,31 +263,31 @@ class ChainRunner:
         call = _BlockCall(forward, len(runtime.calls), args[1:], kwargs, x.device)
         runtime.calls.append(call)
         params = [p for p in self.blocks[index].parameters() if p.requires_grad]
-        output = _ChainedBlock.apply(runtime, call, x, len(call.context), *call.context, *params)
+        context = _BlockCall.tensors(args[1:], kwargs)
+        output = _ChainedBlock.apply(runtime, call, x, call.num_context, *context, *params)
         self._last = _Last(index, number, weakref.ref(output), output._version, runtime)
         return output
 
 
-@dataclass
 class _BlockCall:
-    """One block call of a checkpointed segment: how to run it again, and under which state."""
+    """One block call of a checkpointed segment: how to run it again, and under which state. Its
+    tensor arguments are handed to the autograd node (saved there, visible to the profiler), not
+    kept here."""
 
-    forward: _ChainedForward
-    position: int  # in the segment
-    args: tuple  # positional arguments after the input
-    kwargs: dict
-    device: torch.device
-    context: list[torch.Tensor] = field(default_factory=list)  # the tensor arguments (saved, not held here)
-    ctx: weakref.ref | None = None  # the autograd node's ctx, for its saved tensors
-
-    def __post_init__(self) -> None:
-        leaves, self.spec = tree_flatten((self.args, self.kwargs))
+    def __init__(self, forward: _ChainedForward, position: int, args: tuple, kwargs: dict, device: torch.device):
+        self.forward, self.position = forward, position  # position: in the segment
+        leaves, self.spec = tree_flatten((args, kwargs))
         self.is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
         self.skeleton = [None if t else leaf for t, leaf in zip(self.is_tensor, leaves, strict=True)]
-        self.context = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        self.args = self.kwargs = None  # the tensors live in the node's saved tensors only
-        self.rng = ckpt._RngState(self.device)
-        self.autocast = ckpt._AutocastState.capture(self.device)
+        self.num_context = sum(self.is_tensor)
+        self.ctx: weakref.ref | None = None  # the autograd node's ctx, for its saved tensors
+        self.rng = ckpt._RngState(device)
+        self.autocast = ckpt._AutocastState.capture(device)
+
+    @staticmethod
+    def tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The tensor arguments of a call, in the order ``run`` takes them back."""
+        return [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
 
     def run(self, x: torch.Tensor, context: Sequence[torch.Tensor]) -> Any:
         tensors = iter(context)
@@ -385,7 +385,7 @@ class _ChainedBlock(torch.autograd.Function):
         # needs_input_grad covers (runtime, call, x, num_context, *context, *params).
         need_x = ctx.needs_input_grad[2]
         needed = list(ctx.needs_input_grad[4:])
-        num_context = len(call.context)
+        num_context = call.num_context
         params = [p for p in call.block().parameters() if p.requires_grad]
         if runtime.backprop == "all_at_once":
             if position not in runtime.graphs:
