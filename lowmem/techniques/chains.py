@@ -26,7 +26,9 @@ since) the previous block of the chain returned in this forward; otherwise it st
 and saves its input. So code between blocks (``x = x * 2``), blocks skipped or called out of order
 cost memory, never correctness. Recomputation replays each block's RNG state (the same dropout
 masks) and autocast state, and sends BatchNorm running-statistic updates to scratch buffers, so
-statistics are updated exactly once per forward (SPEC §6). A block must return one tensor and must
+statistics are updated exactly once per forward (SPEC §6). ``no_bn`` and the BatchNorm
+recomputation of ``residual_star`` apply to blocks whose BatchNorm-ReLU-conv triples
+``lowmem.techniques.norm_routing`` finds. A block must return one tensor and must
 not change its input in place; a block that does is refused with a clear error at its first call.
 """
 
@@ -43,6 +45,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lowmem.techniques import checkpointing as ckpt
+from lowmem.techniques.norm_routing import route_norm_relu_conv, routed_forward
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList)
 _RUNNERS = "_lowmem_block_chains"  # attribute of the root model: its ChainRunners
@@ -187,6 +190,9 @@ class _ChainedForward:
 
     def plain(self, *args, **kwargs):
         block = self.runner.blocks[self.index]
+        routed = routed_forward(block)
+        if routed is not None and not kwargs:  # BatchNorm-ReLU-conv triples through norm_relu_conv
+            return routed(*args)
         if self.own is not None:
             return self.own(*args, **kwargs)
         return type(block).forward(block, *args, **kwargs)
@@ -425,12 +431,14 @@ def apply_to_chains(model: nn.Module, strategy: str, every: int, blocks: Sequenc
         runners = install_chains(model, find_block_chains(model, blocks))
     chained = [block for runner in runners for block in runner.blocks]
     recompute_norm = strategy in ("no_bn", "residual_star")
+    if recompute_norm:
+        route_blocks(chained)
     routing = [block for block in chained if ckpt.routes_norm_relu_conv(block)]
-    if strategy == "no_bn" and len(routing) < len(chained):
-        kinds = sorted({type(b).__name__ for b in chained if not ckpt.routes_norm_relu_conv(b)})
+    if strategy == "no_bn" and not routing:
+        kinds = sorted({type(b).__name__ for b in chained})
         raise ValueError(
-            "checkpointing.strategy='no_bn' recomputes BatchNorm-ReLU outputs inside blocks, which lowmem does for "
-            f"blocks that route them through lowmem.residual.norm_relu_conv; {', '.join(kinds)} do not: use "
+            "checkpointing.strategy='no_bn' recomputes BatchNorm-ReLU outputs that feed a convolution inside "
+            f"blocks; {', '.join(kinds)} have no BatchNorm-ReLU-Conv2d sequence lowmem can find: use "
             "checkpointing.strategy=residual or residual_star (any block)"
         )
     for block in routing:
@@ -458,8 +466,16 @@ def apply_schedule_to_chains(model: nn.Module, schedules: Sequence[Sequence[ckpt
 
 def ensure_chains(model: nn.Module, blocks: Sequence[str] = ()) -> None:
     """Install ``model``'s chains of blocks (named by ``blocks``, else found) unless the model declares
-    residual stacks and no ``blocks`` are named, or chains are installed already."""
+    residual stacks and no ``blocks`` are named, or chains are installed already; their blocks'
+    BatchNorm-ReLU-conv triples routed, so that a schedule may recompute them."""
     if blocks:
         install_chains(model, find_block_chains(model, blocks))
     elif not ckpt.residual_stacks(model) and not installed_runners(model):
         install_chains(model, find_block_chains(model))
+    route_blocks([block for runner in installed_runners(model) for block in runner.blocks])
+
+
+def route_blocks(blocks: Sequence[nn.Module]) -> None:
+    """Route every block's BatchNorm-ReLU-conv triples it has (``lowmem.techniques.norm_routing``)."""
+    for block in blocks:
+        route_norm_relu_conv(block)
