@@ -70,15 +70,17 @@ def test_fused_steps_equal_the_per_tensor_implementation(monkeypatch, backend, k
         if dtype == torch.float32:
             assert torch.equal(a, b)
             continue
-        # The same FP32 arithmetic; a rare element may differ by one rounding where the reference's
-        # vectorised kernel and the fused one place an FMA differently.
+        # The same FP32 arithmetic but for roundings: the per-tensor implementation uses torch's
+        # add(alpha=)/addcmul_/addcdiv_, which fuse a multiply-add on AVX2/AVX-512 CPUs (under
+        # ATEN_CPU_CAPABILITY=default the two agree bit for bit), and Adam's moments carry a difference
+        # on. The fused backends agree with each other bit for bit (test_the_c_kernel_and_...).
         assert (a != b).float().mean() <= 1e-3
-        assert ulps_apart(a.detach(), b.detach()).max() <= 1
+        assert ulps_apart(a.detach(), b.detach()).max() <= 2
     states = [(old_optimizer.state[a], new_optimizer.state[b]) for a, b in zip(old, new, strict=True)]
     for old_state, new_state in states:
         for key, value in old_state.items():
             if torch.is_tensor(value) and value.dim():
-                assert (value != new_state[key]).float().mean() <= 1e-3, key
+                assert (value != new_state[key]).float().mean() <= (1e-3 if dtype == torch.float32 else 1e-2), key
 
 
 def test_fp32_sgd_is_torch_sgd_bit_for_bit():
@@ -95,30 +97,105 @@ def test_fp32_sgd_is_torch_sgd_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
 
 
-@pytest.mark.parametrize("dtype", HALVES)
-@pytest.mark.parametrize("stochastic", [False, True])
-def test_the_c_kernel_and_the_torch_reference_give_the_same_bits(dtype, stochastic):
+IDENTITY_SIZES = (30_000, 77, 1025)  # one tensor over the fallback's slice of 16K elements
+IDENTITY_GRAD_SCALE = 768.0  # not a power of two: the division rounds
+
+
+def _identity_gradients(step: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Gradients over many binades (FP16's subnormals included), some exactly zero."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    grads = []
+    for size in IDENTITY_SIZES:
+        binade = torch.randint(-16, 3, (size,), generator=generator).float()
+        grad = torch.randn(size, generator=generator) * torch.exp2(binade) * 1e-2 * IDENTITY_GRAD_SCALE
+        grad[::11] = 0
+        grads.append(grad.to(dtype))
+    return grads
+
+
+def _flat(values: list) -> list[torch.Tensor]:
+    """Tensors, and the (m, v) pairs of Adam's moment scales, as one list of tensors."""
+    return [tensor for value in values for tensor in (value if isinstance(value, tuple) else (value,))]
+
+
+def optimizer_paths_disagree(steps: int = 50) -> list[str]:
+    """SGD (Nesterov with weight decay; plain) and Adam for ``steps`` updates, through the C kernel and
+    the torch fallback side by side from the same state: where, if anywhere, a weight or a state
+    tensor first differs by a bit, per dtype and rounding."""
+    threads = torch.get_num_threads()
+    # One thread: the bits do not depend on it, and ATen splits even a slice's vector-math operations
+    # (floor, sqrt) across threads, many times slower on a busy machine.
+    torch.set_num_threads(1)
+    try:
+        return _disagreements(steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _disagreements(steps: int) -> list[str]:
+    disagreements = []
+    for dtype in HALVES:
+        for stochastic in (False, True):
+            generator = torch.Generator().manual_seed(0)
+            start = []
+            for size in IDENTITY_SIZES:
+                weight = torch.randn(size, generator=generator) * 0.1
+                weight[::7] *= 2.0**-17  # FP16 subnormals: stochastic rounding's other branch
+                start.append(weight.to(dtype))
+            runs = []
+            for _ in (reference, cpu):
+                state = {name: [w.clone() for w in start] for name in ("sgd", "plain_sgd", "adam")}
+                state |= {name: [torch.zeros_like(w) for w in start] for name in ("momentum", "exp_avg", "exp_avg_sq")}
+                state["scales"] = [(torch.tensor(0.0), torch.tensor(0.0)) for _ in start]
+                runs.append(state)
+            for step in range(1, steps + 1):
+                grads = _identity_gradients(step, dtype)
+                keys = reference.tensor_keys(5, step, len(start)) if stochastic else None
+                step_sizes = [reference.adam_step_size(1e-3, 0.9, 0.999, step)] * len(start)
+                for path, state in zip((reference, cpu), runs, strict=True):
+                    path.sgd(state["sgd"], grads, state["momentum"], keys, lr=0.1, momentum=0.9, nesterov=True,
+                             weight_decay=5e-4, grad_scale=IDENTITY_GRAD_SCALE)
+                    path.sgd(state["plain_sgd"], grads, state["plain_sgd"], keys, lr=0.05, momentum=0.0,
+                             nesterov=False, weight_decay=0.0, grad_scale=IDENTITY_GRAD_SCALE)
+                    path.adam(state["adam"], grads, state["exp_avg"], state["exp_avg_sq"], state["scales"], step_sizes,
+                              keys, beta1=0.9, beta2=0.999, eps=1e-8, decay=1 - 1e-3 * 1e-4,
+                              grad_scale=IDENTITY_GRAD_SCALE)
+                fallback, kernel = runs
+                differing = [
+                    name for name in fallback
+                    if not all(torch.equal(a, b) for a, b in zip(_flat(fallback[name]), _flat(kernel[name]),
+                                                                  strict=True))
+                ]
+                if differing:
+                    disagreements.append(f"{dtype}, stochastic={stochastic}: {differing} differ after update {step}")
+                    break
+    return disagreements
+
+
+@pytest.mark.parametrize("capability", ["native", "default"])
+def test_the_c_kernel_and_the_torch_fallback_give_the_same_bits_for_50_updates(capability):
+    """Bit for bit, every weight and state tensor after each of 50 updates, FP16 and BF16, nearest and
+    stochastic rounding; under ATEN_CPU_CAPABILITY=default (no AVX2/FMA: a subprocess, the variable
+    must be set before torch is imported) as under this CPU's own (ATen's vectorised kernels fuse
+    multiply-adds there: the fallback must use none of those)."""
     if cpu.library() is None:
         pytest.skip("no C compiler here")
-    generator = torch.Generator().manual_seed(1)
-    count = 3
-    weights = [(torch.randn(n, generator=generator) * 0.1).to(dtype) for n in (30_000, 77, 1025)]
-    grads = [(torch.randn(w.shape, generator=generator) * 50).to(dtype) for w in weights]
-    state = [(torch.randn(w.shape, generator=generator) * 100).to(dtype) for w in weights]
-    keys = reference.tensor_keys(7, 3, count) if stochastic else None
-    results = []
-    for backend in (reference, cpu):
-        w, m, v = [x.clone() for x in weights], [x.clone() for x in state], [x.abs() for x in state]
-        scales = [(torch.tensor(3.0), torch.tensor(-2.0)) for _ in range(count)]
-        backend.sgd(w, grads, m, keys, lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4, grad_scale=64.0)
-        backend.adam(w, grads, m, v, scales, [1e-3, 2e-3, 3e-3], keys, beta1=0.9, beta2=0.98, eps=1e-8,
-                     decay=0.9999, grad_scale=64.0)
-        results.append((w, m, v, [float(s) for pair in scales for s in pair]))
-    for expected, got in zip(*results, strict=True):
-        if isinstance(expected, list) and expected and torch.is_tensor(expected[0]):
-            assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
-        else:
-            assert expected == got
+    if capability == "native":
+        assert optimizer_paths_disagree() == []
+        return
+    script = textwrap.dedent(
+        """
+        import json, torch
+        assert torch.backends.cpu.get_cpu_capability() == "DEFAULT", torch.backends.cpu.get_cpu_capability()
+        from tests.test_optimizers import optimizer_paths_disagree
+        print(json.dumps(optimizer_paths_disagree()))
+        """
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1] == "[]", result.stdout
 
 
 def test_the_triton_kernels_give_the_references_bits_in_the_interpreter():

@@ -1,11 +1,19 @@
 """The fused 16-bit optimizer updates on the CPU: ``lowmem_kernels.c``, built once, loaded with ctypes.
 
-The source is compiled on first use with the system C compiler (``$CC``, else ``cc``) for this
-machine's CPU, into ``$LOWMEM_CACHE_DIR`` (default ``~/.cache/lowmem``), under a name that hashes the
+The source is compiled on first use with the system C compiler (``$CC``, split like a shell word
+list, so ``CC="ccache gcc"`` works; else ``cc``) for this machine's CPU, under a name that hashes the
 source, the flags, the compiler and the CPU, so a changed file or another machine builds anew. The
-build is written to a temporary name and renamed into place (concurrent processes are safe). Without
-a working compiler ``library()`` returns None (logged once) and lowmem uses the plain-torch
-fallback (``reference.py``): slower and more operations, the same results.
+cache directory is ``$LOWMEM_CACHE_DIR`` (the kernels directly in it), else
+``$XDG_CACHE_HOME/lowmem``, else ``~/.cache/lowmem``.
+
+Loading a shared library runs its code, so the cache is trusted only when it is private: the
+directory is created 0700, and one owned by another user or writable by group or others is refused
+(a warning; the fallback is used). One process compiles at a time (an ``fcntl`` lock in the
+directory); a compile that takes longer than ``COMPILE_TIMEOUT_S`` is abandoned. A cached library
+that does not load or lacks a function (a corrupt or stale file) is deleted and rebuilt once.
+
+Without a working compiler ``library()`` returns None (logged once) and lowmem uses the plain-torch
+fallback (``reference.py``): slower and more operations, the same bits.
 
 The calls release the GIL, so a large update is split across ``torch.get_num_threads()`` threads,
 tensor by tensor.
@@ -13,15 +21,20 @@ tensor by tensor.
 
 from __future__ import annotations
 
+import _ctypes
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
+import shlex
+import stat
 import subprocess
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,8 +43,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lowmem_kernels.c")
-# No FMA contraction: the kernels' FMAs are explicit, the same as the reference's.
+# No FMA contraction: the kernels' every multiply and add is rounded on its own, as the reference's.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
+COMPILE_TIMEOUT_S = 120  # a compile takes under a second; a hung compiler must not hang training
 PARALLEL_ELEMENTS = 1 << 20  # updates of more elements than this run on several threads
 
 _P64 = ctypes.POINTER(ctypes.c_int64)
@@ -48,7 +62,37 @@ DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LOWMEM_CACHE_DIR") or Path.home() / ".cache" / "lowmem")
+    """Where the compiled kernels are kept: ``$LOWMEM_CACHE_DIR``, ``$XDG_CACHE_HOME/lowmem`` or
+    ``~/.cache/lowmem`` (XDG: a relative ``XDG_CACHE_HOME`` is ignored)."""
+    override = os.environ.get("LOWMEM_CACHE_DIR")
+    if override:
+        return Path(override)
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "lowmem"
+
+
+def _private_directory(directory: Path) -> None:
+    """Create ``directory`` (mode 0700) if missing; PermissionError if another user owns it or group or
+    others may write to it (anyone who can write there can put code into every process that loads it)."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = directory.stat()
+    if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(
+            f"the kernel cache {directory} is owned by uid {info.st_uid} with mode "
+            f"{stat.S_IMODE(info.st_mode):o}; it must be yours and writable by you alone (chmod 700 it, or set "
+            "LOWMEM_CACHE_DIR to another directory)"
+        )
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """One process at a time checks, builds and loads the kernels in ``directory``."""
+    descriptor = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # releases the lock
 
 
 def _cpu_fingerprint() -> str:
@@ -59,33 +103,82 @@ def _cpu_fingerprint() -> str:
         return platform.processor()
 
 
+def compiler_command() -> list[str]:
+    """``$CC`` as a command line split like a shell's words (``ccache gcc``), else ``cc``."""
+    try:
+        return shlex.split(os.environ.get("CC", "")) or ["cc"]
+    except ValueError as error:
+        raise ValueError(f"CC={os.environ['CC']!r} is not a command line a shell could split: {error}") from None
+
+
+def kernel_path(compiler: Sequence[str]) -> Path:
+    """The cached library's path: its name hashes the source, the flags, the compiler (its command and
+    ``--version``) and the CPU. Runs ``compiler --version``."""
+    version = subprocess.run(
+        [*compiler, "--version"], capture_output=True, text=True, check=True, timeout=COMPILE_TIMEOUT_S
+    ).stdout
+    digest = hashlib.sha256(
+        "\n".join([SOURCE.read_text(), " ".join(FLAGS), shlex.join(compiler), version, platform.machine(),
+                   _cpu_fingerprint()]).encode()
+    ).hexdigest()[:16]
+    return cache_dir() / f"lowmem_kernels_{digest}.so"
+
+
+def _build(compiler: Sequence[str], target: Path) -> None:
+    """Compile the kernels into ``target``: into a scratch name first, renamed into place when whole."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        subprocess.run(
+            [*compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True, check=True,
+            timeout=COMPILE_TIMEOUT_S,
+        )
+        os.replace(built, target)
+
+
+def _load(target: Path) -> ctypes.CDLL:
+    """``target`` loaded with its functions' signatures set; OSError or AttributeError if it cannot be."""
+    info = target.stat()
+    if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise OSError(f"{target} is not the user's own, or others may write to it")
+    lib = ctypes.CDLL(str(target))
+    try:
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(lib, name)
+            function.argtypes, function.restype = argtypes, None
+    except AttributeError:
+        # Unload it, or loading the rebuilt file under the same name would return this one again.
+        _ctypes.dlclose(lib._handle)
+        raise
+    return lib
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None if they cannot be built here (the reason is logged once)."""
-    compiler = os.environ.get("CC", "cc")
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-        digest = hashlib.sha256(
-            "\n".join([SOURCE.read_text(), " ".join(FLAGS), version, platform.machine(), _cpu_fingerprint()]).encode()
-        ).hexdigest()[:16]
-        target = cache_dir() / f"lowmem_kernels_{digest}.so"
-        if not target.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-                built = Path(scratch) / target.name
-                subprocess.run(
-                    [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True, check=True
-                )
-                os.replace(built, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        log.warning("lowmem's CPU kernels could not be built (%s); using the torch fallback", detail.strip()[:300])
+        compiler = compiler_command()
+        target = kernel_path(compiler)
+        _private_directory(target.parent)
+        with _locked(target.parent):
+            if target.is_file():
+                try:
+                    return _load(target)
+                except (OSError, AttributeError) as error:
+                    log.warning("the cached CPU kernels %s are unusable (%s); rebuilding them", target, error)
+                    target.unlink()
+            _build(compiler, target)
+            return _load(target)
+    except (OSError, AttributeError, ValueError, subprocess.SubprocessError) as error:
+        log.warning("lowmem's CPU kernels are unavailable (%s); using the torch fallback", _reason(error))
         return None
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes, function.restype = argtypes, None
-    return lib
+
+
+def _reason(error: Exception) -> str:
+    if isinstance(error, subprocess.CalledProcessError) and error.stderr:
+        return error.stderr.strip()[:300]
+    if isinstance(error, subprocess.TimeoutExpired):
+        return f"{error.cmd[0]} timed out after {error.timeout} s"
+    return str(error)[:300]
 
 
 @functools.cache

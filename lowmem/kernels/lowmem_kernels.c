@@ -2,8 +2,10 @@
  * loads this file). One call updates a whole list of tensors: weights, gradients and optimizer
  * state stay in FP16 or BF16, every element is computed in FP32 registers, nothing is allocated.
  *
- * The arithmetic is lowmem/kernels/reference.py's, operation for operation (the same FMAs, the same
- * rounding): see that file for the definitions; lowmem/kernels/triton_kernels.py is the CUDA twin.
+ * The arithmetic is lowmem/kernels/reference.py's, operation for operation, in the same order, each
+ * one correctly rounded FP32 operation and none fused: built with -ffp-contract=off, `a + b * c` is a
+ * multiply and an add here as in the reference, whatever the CPU (see that file for the definitions;
+ * lowmem/kernels/triton_kernels.py is the CUDA twin).
  * Tensors are passed as arrays of addresses (int64) with their element counts.
  */
 #include <math.h>
@@ -71,14 +73,14 @@ void lowmem_sgd(int64_t count, const int64_t *weights, const int64_t *grads, con
         for (int64_t i = 0; i < sizes[t]; i++) {
             float weight = load16(w, i, dtype);
             float grad = load16(g, i, dtype) / grad_scale;
-            if (weight_decay != 0.0f) grad = fmaf(weight, weight_decay, grad);
+            if (weight_decay != 0.0f) grad = grad + weight * weight_decay;
             float update = grad;
             if (b) {
                 float buffer = load16(b, i, dtype) * momentum + grad;
-                update = nesterov ? fmaf(buffer, momentum, grad) : buffer;
+                update = nesterov ? grad + buffer * momentum : buffer;
                 b[i] = round_nearest(buffer, dtype);
             }
-            w[i] = store_weight(fmaf(update, -lr, weight), stochastic, keys[t], i, dtype);
+            w[i] = store_weight(weight + update * -lr, stochastic, keys[t], i, dtype);
         }
     }
 }
@@ -95,7 +97,7 @@ void lowmem_adam_amax(int64_t count, const int64_t *grads, const int64_t *exp_av
         float top_m = 0.0f, top_v = 0.0f;
         for (int64_t i = 0; i < sizes[t]; i++) {
             float grad = load16(g, i, dtype) / grad_scale;
-            float avg = fmaf(grad, one_minus_beta1, load16(m, i, dtype) * read_m * beta1);
+            float avg = load16(m, i, dtype) * read_m * beta1 + grad * one_minus_beta1;
             float avg_sq = load16(v, i, dtype) * read_v * beta2 + one_minus_beta2 * grad * grad;
             top_m = fmaxf(top_m, fabsf(avg));
             top_v = fmaxf(top_v, fabsf(avg_sq));
@@ -130,7 +132,7 @@ void lowmem_adam(int64_t count, const int64_t *weights, const int64_t *grads, co
         float step_size = step_sizes[t];
         for (int64_t i = 0; i < sizes[t]; i++) {
             float grad = load16(g, i, dtype) / grad_scale;
-            float avg = fmaf(grad, one_minus_beta1, load16(m, i, dtype) * read_m * beta1);
+            float avg = load16(m, i, dtype) * read_m * beta1 + grad * one_minus_beta1;
             float avg_sq = load16(v, i, dtype) * read_v * beta2 + one_minus_beta2 * grad * grad;
             float weight = load16(w, i, dtype);
             if (decays) weight = weight * decay;

@@ -6,18 +6,27 @@ element is computed in FP32 and written back in 16 bits, with no FP32 copy of an
 (``triton_kernels.py``) do the same arithmetic in registers; this version works through slices of
 ``SLICE`` elements, so its FP32 temporaries stay a few slices large whatever the model.
 
+Every ``*``, ``/``, ``+`` and square root below is one correctly rounded FP32 operation, done in the
+order written (left to right): no path fuses a multiply and an add. That is what makes the paths
+give the same bits: whether a compiler or ATen's vectorised kernel for this CPU (``ATEN_CPU_CAPABILITY``)
+would contract ``a + b * c`` into an FMA would otherwise decide the last bit, so the C kernel is
+built with ``-ffp-contract=off``, the Triton kernels launch with ``enable_fp_fusion=False``, and
+this file avoids the torch operations that may fuse (``add(..., alpha=)``, ``addcmul``, ``addcdiv``,
+``lerp``) and torch's FP32 ``sqrt`` (on the CPU it goes through MKL's vector math, which is not
+correctly rounded: see ``_sqrt``).
+
 SGD (momentum buffer in the weight's dtype), per element::
 
-    g = grad / grad_scale;  g += weight_decay * w;  b = momentum * b + g
-    u = g + momentum * b (Nesterov) or b;  w = w - lr * u
+    g = grad / grad_scale;  g = g + w * weight_decay;  b = b * momentum + g
+    u = g + b * momentum (Nesterov) or b;  w = w + u * -lr
 
 Adam (fairseq's: decoupled weight decay, bias correction folded into ``step_size``); each moment
 is stored times ``2**log2_scale``, one scale per tensor chosen every step so that its largest
 magnitude lands in [2**14, 2**15), the top binade of FP16 (unscaled FP16 moments mostly round to
 zero and training diverges: the report's finding)::
 
-    m = b1 * m + (1 - b1) * g;  v = b2 * v + (1 - b2) * g * g
-    w = w * decay;  w = w - step_size * m / (sqrt(v) + eps)
+    m = m * 2**-m_log2_scale * b1 + g * (1 - b1);  v = v * 2**-v_log2_scale * b2 + (1 - b2) * g * g
+    w = w * decay;  w = w + -step_size * (m / (sqrt(v) + eps))
 
 The weight is written with round-to-nearest-even or, with ``stochastic``, rounded up in magnitude
 with probability equal to its distance from the lower neighbour (unbiased). The random numbers are
@@ -120,6 +129,22 @@ def _slices(size: int) -> range:
     return range(0, size, SLICE)
 
 
+def _sqrt(value: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded FP32 square root of FP32 ``value``, as the kernels' ``sqrtf``/``sqrt_rn``.
+
+    torch's FP32 ``sqrt`` on the CPU is MKL's (within an ulp, not correctly rounded: a sixth of
+    random inputs differ), whatever ``ATEN_CPU_CAPABILITY``. An FP64 square root within an ulp,
+    rounded to FP32, is the correctly rounded FP32 one: scaled into [1, 2), the exact root of an
+    FP32 number is at least 2**-50 away from every FP32 rounding boundary (halfway point), and the
+    FP64 root is within 2**-52 of it, so both lie on the same side."""
+    return value.double().sqrt_().float()
+
+
+def _pow2(log2_scale: torch.Tensor) -> torch.Tensor:
+    """2**k (FP32) for an integer-valued FP32 tensor k in [-126, 127], from its bits, as the kernels."""
+    return ((log2_scale.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
 def sgd(
     weights: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -142,13 +167,13 @@ def sgd(
             value = w[part].float()
             g = g_all[part].float() / grad_scale
             if weight_decay != 0:
-                g = g.add(value, alpha=weight_decay)
+                g.add_(value * weight_decay)
             update = g
             if b_all is not None:
                 buffer = b_all[part].float().mul_(momentum).add_(g)
-                update = g.add(buffer, alpha=momentum) if nesterov else buffer
+                update = g + buffer * momentum if nesterov else buffer
                 b_all[part].copy_(buffer)
-            _store_weight(w[part], value.add_(update, alpha=-lr), None if keys is None else keys[t], start)
+            _store_weight(w[part], value.add_(update * -lr), None if keys is None else keys[t], start)
 
 
 def moment_log2_scale(top: torch.Tensor) -> torch.Tensor:
@@ -177,12 +202,13 @@ def adam(
     lr · sqrt(1 - b2^t) / (1 - b1^t); ``decay``: 1 - lr · weight_decay, or None."""
     for t, weight in enumerate(weights):
         m_scale, v_scale = log2_scales[t]
+        read_m, read_v = _pow2(-m_scale), _pow2(-v_scale)
 
-        def moments(part: slice, t: int = t, m_scale: torch.Tensor = m_scale, v_scale: torch.Tensor = v_scale):
+        def moments(part: slice, t: int = t, read_m: torch.Tensor = read_m, read_v: torch.Tensor = read_v):
             g = grads[t].view(-1)[part].float() / grad_scale
-            m = torch.ldexp(exp_avgs[t].view(-1)[part].float(), -m_scale).mul_(beta1).add_(g, alpha=1 - beta1)
-            v = torch.ldexp(exp_avg_sqs[t].view(-1)[part].float(), -v_scale).mul_(beta2)
-            return m, v.addcmul_(g, g, value=1 - beta2)
+            m = exp_avgs[t].view(-1)[part].float().mul_(read_m).mul_(beta1).add_(g * (1 - beta1))
+            v = exp_avg_sqs[t].view(-1)[part].float().mul_(read_v).mul_(beta2)
+            return m, v.add_((g * (1 - beta2)).mul_(g))
 
         # Pass 1: the largest magnitude of each new moment (its scale is needed before any is stored).
         top_m = top_v = torch.zeros((), device=weight.device)
@@ -198,9 +224,9 @@ def adam(
             value = w[part].float()
             if decay is not None:
                 value.mul_(decay)
-            value.addcdiv_(m, v.sqrt().add_(eps), value=-step_sizes[t])
-            exp_avgs[t].view(-1)[part].copy_(torch.ldexp(m, new_m_scale))
-            exp_avg_sqs[t].view(-1)[part].copy_(torch.ldexp(v, new_v_scale))
+            value.add_(m.div(_sqrt(v).add_(eps)).mul_(-step_sizes[t]))
+            exp_avgs[t].view(-1)[part].copy_(m.mul_(_pow2(new_m_scale)))
+            exp_avg_sqs[t].view(-1)[part].copy_(v.mul_(_pow2(new_v_scale)))
             _store_weight(w[part], value, None if keys is None else keys[t], start)
         m_scale.copy_(new_m_scale)
         v_scale.copy_(new_v_scale)

@@ -2,15 +2,14 @@
 
 One launch updates every tensor of a call (two for Adam: the per-tensor moment maxima first). The
 tensors are reached through a table of addresses; each program updates one slice of ``BLOCK``
-elements of one tensor. Automatic FMA contraction is off and division and square root are the
-correctly rounded ones, so the results are those of the C kernel and of the reference.
+elements of one tensor. No multiply-add is fused (``enable_fp_fusion=False``) and division and
+square root are the correctly rounded ones: the operations of the C kernel and of the reference.
 
-Tested on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``: tests/test_kernels.py).
+Tested on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``: tests/test_optimizers.py).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -88,18 +87,18 @@ def _sgd_kernel(table, chunk_tensor, chunk_start, count, lr, momentum, weight_de
     weight = tl.load(w_pointer + offsets, mask=mask).to(tl.float32)
     grad = tl.div_rn(tl.load(g_pointer + offsets, mask=mask).to(tl.float32), grad_scale)
     if DECAY:
-        grad = tl.fma(weight, weight_decay, grad)
+        grad = grad + weight * weight_decay
     update = grad
     if MOMENTUM:
         b_pointer = tl.load(table + 2 * count + t).to(tl.pointer_type(dtype))
         buffer = tl.load(b_pointer + offsets, mask=mask).to(tl.float32) * momentum + grad
         if NESTEROV:
-            update = tl.fma(buffer, momentum, grad)
+            update = grad + buffer * momentum
         else:
             update = buffer
         tl.store(b_pointer + offsets, _to_16(buffer, BF16), mask=mask)
     key = tl.load(table + 4 * count + t).to(tl.uint32)
-    _store_weight(w_pointer, offsets, mask, tl.fma(update, -lr, weight), key, STOCHASTIC, BF16)
+    _store_weight(w_pointer, offsets, mask, weight + update * -lr, key, STOCHASTIC, BF16)
 
 
 @triton.jit
@@ -110,7 +109,7 @@ def _adam_moments(table, count, t, offsets, mask, read_m, read_v, beta1, beta2, 
     m_pointer = tl.load(table + 2 * count + t).to(tl.pointer_type(dtype))
     v_pointer = tl.load(table + 3 * count + t).to(tl.pointer_type(dtype))
     grad = tl.div_rn(tl.load(g_pointer + offsets, mask=mask).to(tl.float32), grad_scale)
-    avg = tl.fma(grad, one_minus_beta1, tl.load(m_pointer + offsets, mask=mask).to(tl.float32) * read_m * beta1)
+    avg = tl.load(m_pointer + offsets, mask=mask).to(tl.float32) * read_m * beta1 + grad * one_minus_beta1
     avg_sq = tl.load(v_pointer + offsets, mask=mask).to(tl.float32) * read_v * beta2 + one_minus_beta2 * grad * grad
     return avg, avg_sq, m_pointer, v_pointer
 
@@ -171,19 +170,42 @@ def _adam_kernel(table, chunk_tensor, chunk_start, count, scratch, step_sizes, b
         tl.store(tl.load(table + 5 * count + t).to(tl.pointer_type(tl.float32)), scale_v)
 
 
-@functools.lru_cache(maxsize=64)
-def _chunks(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+# The tables a launch reads live on the device. Each kind of call (sgd/adam, device, number of
+# tensors, dtype) keeps its latest tables only: a step whose tensors did not move reuses them (no
+# host-to-device copy), and a compact-sparsity rewiring (new addresses and sizes) replaces them, so
+# the old ones are freed at the first update after it. At most MAX_TABLE_SLOTS kinds are kept.
+MAX_TABLE_SLOTS = 16
+_tables: dict[tuple, tuple[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _cached(slot: tuple, contents: tuple, make):
+    """The device tensor(s) for ``contents`` in ``slot``: the cached ones if unchanged, else ``make()``'s."""
+    found = _tables.pop(slot, None)  # popped and put back: the dict's order is least recently used first
+    if found is None or found[0] != contents:
+        found = (contents, make())
+    _tables[slot] = found
+    while len(_tables) > MAX_TABLE_SLOTS:
+        del _tables[next(iter(_tables))]
+    return found[1]
+
+
+def _chunks(slot: tuple, sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per program: the tensor it updates and the first element of its slice (on ``device``)."""
-    tensor, start = [], []
-    for index, size in enumerate(sizes):
-        for first in range(0, size, BLOCK):
-            tensor.append(index)
-            start.append(first)
-    return (torch.tensor(tensor, dtype=torch.int32).to(device), torch.tensor(start, dtype=torch.int64).to(device))
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        tensor, start = [], []
+        for index, size in enumerate(sizes):
+            for first in range(0, size, BLOCK):
+                tensor.append(index)
+                start.append(first)
+        return torch.tensor(tensor, dtype=torch.int32).to(device), torch.tensor(start, dtype=torch.int64).to(device)
+
+    return _cached(("chunks", *slot), sizes, make)
 
 
-def _table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    return torch.tensor([value for row in rows for value in row], dtype=torch.int64).to(device)
+def _table(slot: tuple, rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    values = tuple(value for row in rows for value in row)
+    return _cached(("table", *slot), values, lambda: torch.tensor(values, dtype=torch.int64).to(device))
 
 
 def sgd(
@@ -200,8 +222,9 @@ def sgd(
 ) -> None:
     """``reference.sgd`` in one Triton launch (contiguous tensors of one 16-bit dtype, one device)."""
     count, device = len(weights), weights[0].device
-    sizes = tuple(w.numel() for w in weights)
+    sizes, slot = tuple(w.numel() for w in weights), ("sgd", device, count, weights[0].dtype)
     table = _table(
+        slot,
         [
             [w.data_ptr() for w in weights],
             [g.data_ptr() for g in grads],
@@ -211,7 +234,7 @@ def sgd(
         ],
         device,
     )
-    chunk_tensor, chunk_start = _chunks(sizes, device)
+    chunk_tensor, chunk_start = _chunks(slot, sizes, device)
     _sgd_kernel[(len(chunk_tensor),)](
         table, chunk_tensor, chunk_start, count, lr, momentum, weight_decay, grad_scale,
         MOMENTUM=momentum != 0, NESTEROV=nesterov, DECAY=weight_decay != 0, STOCHASTIC=keys is not None,
@@ -236,8 +259,9 @@ def adam(
 ) -> None:
     """``reference.adam`` in two Triton launches (contiguous tensors of one 16-bit dtype, one device)."""
     count, device = len(weights), weights[0].device
-    sizes = tuple(w.numel() for w in weights)
+    sizes, slot = tuple(w.numel() for w in weights), ("adam", device, count, weights[0].dtype)
     table = _table(
+        slot,
         [
             [w.data_ptr() for w in weights],
             [g.data_ptr() for g in grads],
@@ -250,7 +274,7 @@ def adam(
         ],
         device,
     )
-    chunk_tensor, chunk_start = _chunks(sizes, device)
+    chunk_tensor, chunk_start = _chunks(slot, sizes, device)
     scratch = torch.zeros(4 * count, dtype=torch.float32, device=device)  # maxima, then the old scales
     grid, bf16 = (len(chunk_tensor),), weights[0].dtype == torch.bfloat16
     moments = (beta1, beta2, 1 - beta1, 1 - beta2)
