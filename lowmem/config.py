@@ -11,7 +11,9 @@ tokens for translation recipes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import os
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +148,8 @@ class Config:
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="lowmem_schema", node=Config)
+    # `${lowmem.pid:}` in the default run directory: runs started in the same second never share one.
+    OmegaConf.register_new_resolver("lowmem.pid", os.getpid, replace=True)
 
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -201,10 +205,30 @@ def name_list(cfg_value: Any, knob: str) -> list[str]:
     return list(values)
 
 
+def require_finite(values: Any, prefix: str = "") -> None:
+    """Refuse ``inf`` and ``nan`` in any float knob (a budget, a learning rate, a model's dropout...):
+    none of lowmem's knobs has a meaning for them. ``values``: a config or a plain container."""
+    if isinstance(values, DictConfig | ListConfig):
+        values = OmegaConf.to_container(values, resolve=True)
+    elif is_dataclass(values) and not isinstance(values, type):
+        values = asdict(values)
+    if isinstance(values, dict):
+        items = [(f"{prefix}.{key}" if prefix else str(key), value) for key, value in values.items()]
+    elif isinstance(values, list | tuple):
+        items = [(f"{prefix}[{index}]", value) for index, value in enumerate(values)]
+    else:
+        items = []
+    for knob, value in items:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{knob}={value!r} is not allowed: it must be a finite number")
+        require_finite(value, knob)
+
+
 def validate(cfg: DictConfig | Config) -> None:
     """Range and name checks that types cannot express. Raises ConfigError naming the knob."""
     if OmegaConf.is_missing(cfg, "recipe") or not cfg.recipe:
         raise ConfigError("no recipe chosen: add +recipe=wrn_cifar, +recipe=dc_iwslt or +recipe=vision")
+    require_finite(cfg)
     _require(cfg.data.batch_size > 0, "data.batch_size", cfg.data.batch_size, "must be a positive integer")
     _require(cfg.data.eval_batch_size > 0, "data.eval_batch_size", cfg.data.eval_batch_size, "must be > 0")
     _require(cfg.data.device in ("auto", "cpu"), "data.device", cfg.data.device, "one of auto, cpu")
@@ -306,7 +330,7 @@ def validate(cfg: DictConfig | Config) -> None:
     budget = cfg.checkpointing.budget_mb
     if cfg.checkpointing.strategy == "optimal":
         _require(
-            budget is not None and budget > 0,
+            budget is not None and math.isfinite(budget) and budget > 0,
             "checkpointing.budget_mb",
             budget,
             "checkpointing.strategy=optimal needs a budget: a number of MB > 0",

@@ -18,9 +18,11 @@ from omegaconf import DictConfig
 from lowmem.run_files import save_bytes
 
 _RECORDS: dict[Path, bytes] = {}  # .hydra file -> its bytes before this invocation's jobs
+_SEEN: set[Path] = set()  # run directories whose .hydra files were read
 
 
 def _remember(run_dir: Path) -> None:
+    _SEEN.add(run_dir.resolve())
     for path in (run_dir / ".hydra").glob("*.yaml"):
         _RECORDS[path.resolve()] = path.read_bytes()
 
@@ -48,3 +50,17 @@ def restore(run_dir: Path) -> list[Path]:
             save_bytes(before, path)
             restored.append(path)
     return restored
+
+
+def remove_added(run_dir: Path) -> list[Path]:
+    """Remove the ``.hydra`` files this invocation added to ``run_dir`` (a refused job's record in a
+    directory that had none); the paths removed."""
+    hydra_dir = Path(run_dir) / ".hydra"
+    if Path(run_dir).resolve() not in _SEEN:
+        return []
+    removed = [path for path in hydra_dir.glob("*.yaml") if path.resolve() not in _RECORDS]
+    for path in removed:
+        path.unlink()
+    if hydra_dir.is_dir() and not any(hydra_dir.iterdir()):
+        hydra_dir.rmdir()
+    return removed

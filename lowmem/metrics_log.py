@@ -17,12 +17,14 @@ log = logging.getLogger("lowmem")
 class MetricsLog:
     """One JSON object per logged step or epoch, mirrored to wandb if configured.
 
-    ``enabled=False`` (data-parallel ranks other than 0) makes every call a no-op.
+    ``enabled=False`` (data-parallel ranks other than 0) makes every call a no-op. ``lines``: the
+    lines ``metrics.jsonl`` holds (a checkpoint records it; a resumed run drops the lines after).
     """
 
     def __init__(self, run_dir: Path, logger_cfg: Any, config: dict, enabled: bool = True) -> None:
         self.path = Path(run_dir) / METRICS
         self.enabled = enabled
+        self.lines = self.path.read_bytes().count(b"\n") if enabled and self.path.is_file() else 0
         self._wandb_run = None
         if enabled and logger_cfg.name == "wandb":
             import wandb  # imported only when asked for: it is slow to import
@@ -35,6 +37,7 @@ class MetricsLog:
         if not self.enabled:
             return
         append_jsonl(record, self.path)
+        self.lines += 1
         if self._wandb_run is not None:
             numbers = {
                 k: v for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)

@@ -30,6 +30,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from lowmem.cli_errors import one_line_errors
 from lowmem.config import ConfigError, register_configs
 from lowmem.planning.search import Candidate, Planner
 from lowmem.profiler import MB, profile_row
@@ -134,6 +135,7 @@ def plan_search(
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     row = plan(cfg, list(HydraConfig.get().overrides.task))
     save_json(row, Path(HydraConfig.get().runtime.output_dir) / "plan.json")

@@ -24,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lowmem import distributed
+from lowmem.cli_errors import one_line_errors
 from lowmem.config import register_configs
 from lowmem.profiler import profile_row
 from lowmem.run_files import save_json
@@ -54,6 +55,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     row = run(cfg)
     name = "profile.json" if row["world_size"] == 1 else f"profile.rank{row['rank']}.json"

@@ -1,5 +1,7 @@
-"""The Pareto plot of ``lowmem.report``: metric vs. accounted training memory, like the report's
-Figures 7, 8 and 10.
+"""The Pareto plot of ``lowmem.report``: metric vs. training memory, like the report's Figures 7,
+8 and 10, with both figures of each configuration: the accounted memory (filled marker, the
+report's definition, on which the frontier is drawn) and the measured peak (hollow marker, what the
+device had to hold), joined by a thin line.
 
 One marker family per configuration family (sparse / narrow / shallow / dense), error bars of the
 95% confidence interval, the Pareto frontier as a step line with each point numbered by its row in
@@ -27,7 +29,7 @@ MARKERS = {"dense": "s", "sparse": "o", "narrow": "^", "shallow": "v"}
 
 
 def plot_pareto(rows: Sequence[Row], metric: str, title: str) -> bytes:
-    """PNG bytes of ``metric`` (mean ± CI) against accounted memory (MB, log scale)."""
+    """PNG bytes of ``metric`` (mean ± CI) against accounted memory and measured peak (MB, log scale)."""
     figure = Figure(figsize=(8, 5.5))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
@@ -46,6 +48,24 @@ def plot_pareto(rows: Sequence[Row], metric: str, title: str) -> bytes:
             linestyle="none",
             label=f"{name} ({len(members)})",
         )
+        measured = [row for row in members if row.peak_bytes]
+        for row in measured:  # accounted -> measured, at the configuration's metric
+            axes.plot(
+                [row.memory_bytes / MEGABYTE, row.peak_bytes / MEGABYTE],
+                [row.mean, row.mean],
+                color=f"C{index}",
+                linewidth=0.8,
+                alpha=0.5,
+            )
+        axes.plot(
+            [row.peak_bytes / MEGABYTE for row in measured],
+            [row.mean for row in measured],
+            marker=MARKERS.get(name, "D"),
+            markerfacecolor="none",
+            markeredgecolor=f"C{index}",
+            markersize=6,
+            linestyle="none",
+        )
     frontier = sorted((row for row in shown if row.pareto), key=lambda row: row.memory_bytes)
     if frontier:
         # Post-steps: from each optimal point, its metric is the best reachable until the next
@@ -56,7 +76,7 @@ def plot_pareto(rows: Sequence[Row], metric: str, title: str) -> bytes:
             where="post",
             color="black",
             linewidth=1.2,
-            label="Pareto frontier",
+            label="Pareto frontier (on accounted memory)",
         )
         for row in frontier:  # labels would overlap: the number points to the table's row
             axes.annotate(
@@ -79,11 +99,15 @@ def plot_pareto(rows: Sequence[Row], metric: str, title: str) -> bytes:
                 linestyle="none",
                 label=f"baseline (row {numbers[id(row)]})",
             )
+    # Which marker is which figure (the families' colours and shapes say the rest).
+    axes.plot([], [], marker="o", color="0.3", linestyle="none", label="accounted memory (filled)")
+    axes.plot([], [], marker="o", markerfacecolor="none", markeredgecolor="0.3", color="0.3", linewidth=0.8,
+              label="measured peak (hollow, joined)")
     axes.set_xscale("log")
     # Plain numbers (2, 5, 10, 20, ...) rather than powers of ten: budgets are read off the axis.
     axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     axes.xaxis.set_minor_formatter(FuncFormatter(_two_and_five))
-    axes.set_xlabel("accounted training memory (MB = 1e6 bytes, log scale)")
+    axes.set_xlabel("training memory: accounted and measured peak (MB = 1e6 bytes, log scale)")
     axes.set_ylabel(f"{metric} (mean ± 95% CI over seeds)")
     axes.set_title(f"{title}\n(numbered: rows of pareto.md on the Pareto frontier)", fontsize=10)
     axes.grid(True, which="both", alpha=0.3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -52,6 +53,15 @@ def save_bytes(data: bytes, path: str | os.PathLike) -> None:
     _atomic_write(Path(path), lambda handle: handle.write(data))
 
 
+def copy_file(source: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Copy ``source`` to ``path`` atomically."""
+    def copy(handle: IO[bytes]) -> None:
+        with open(source, "rb") as original:
+            shutil.copyfileobj(original, handle)
+
+    _atomic_write(Path(path), copy)
+
+
 def save_json(obj: Any, path: str | os.PathLike) -> None:
     data = (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode()
     _atomic_write(Path(path), lambda handle: handle.write(data))
@@ -64,6 +74,27 @@ def append_jsonl(record: dict, path: str | os.PathLike) -> None:
         handle.write(line)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def read_checkpoint(path: str | os.PathLike, refusal: str) -> dict[str, Any]:
+    """``path`` (a ``checkpoint.pt``) loaded on the CPU, weights only; a file that cannot be read
+    (truncated, corrupt, not a lowmem checkpoint) raises ``RunRefused``: ``refusal``, which names
+    the knob, followed by the file and why."""
+    from lowmem.cli_errors import RunRefused
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises RuntimeError, UnpicklingError, EOFError, ... by cause
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        # (torch's advice to load with weights_only=False would run code from the file: never here.)
+        if "weights_only" in str(error):
+            reason = "it holds objects a lowmem checkpoint never contains: not a checkpoint lowmem wrote"
+        else:
+            reason = f"{text[:160]}: the file is truncated or corrupt"
+        raise RunRefused(f"{refusal}: {path} cannot be read ({reason})") from error
+    if not isinstance(checkpoint, dict) or not {"model", "trainer", "config"} <= set(checkpoint):
+        raise RunRefused(f"{refusal}: {path} is not a lowmem checkpoint (no model, trainer and config entries)")
+    return checkpoint
 
 
 def git_revision() -> str | None:

@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lowmem import distributed, hydra_records
+from lowmem.cli_errors import one_line_errors
 from lowmem.config import ConfigError, register_configs
-from lowmem.run_files import CHECKPOINT, RESULT
+from lowmem.run_files import CHECKPOINT, RESULT, read_checkpoint
 
 log = logging.getLogger("lowmem")
 register_configs()
@@ -49,7 +49,11 @@ def previous_run(cfg: DictConfig, run_dir: Path) -> str | None:
         if name == RESULT:
             theirs = json.loads(path.read_text()).get("config", {})
         else:
-            theirs = torch.load(path, map_location="cpu", weights_only=True).get("config", {})
+            refusal = (
+                f"hydra.run.dir={run_dir} holds an interrupted run that cannot be continued (move its "
+                f"{CHECKPOINT} away to start afresh, or choose another hydra.run.dir)"
+            )
+            theirs = read_checkpoint(path, refusal).get("config", {})
         if comparable_config(theirs) != mine:
             raise ConfigError(
                 f"hydra.run.dir={run_dir} already holds {name} of a different configuration; choose another "
@@ -105,6 +109,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     run(cfg, Path(HydraConfig.get().runtime.output_dir))
 

@@ -23,6 +23,7 @@ figures are those a run of its overrides gets.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -186,6 +187,8 @@ def apply_optimal_checkpointing(trainer: Any, budget_mb: float, blocks: Sequence
     blocks: ``checkpointing.blocks``, the chains of blocks to place checkpoints in (a model that
         declares no residual stacks has its chains detected when none are named).
     """
+    if budget_mb is None or not math.isfinite(budget_mb) or budget_mb <= 0:
+        raise ConfigError(f"checkpointing.budget_mb={budget_mb!r} is not allowed: a finite number of MB > 0")
     ensure_chains(trainer.unwrapped_model, blocks)
     budget = round(budget_mb * MB)
     placement = CheckpointPlacement(trainer)

@@ -1,0 +1,116 @@
+"""SIGINT (Ctrl-C) and SIGTERM (how a scheduler preempts a job) during training.
+
+The first signal only asks the training loop to stop: it finishes the step it is in, writes a
+checkpoint at that step and raises ``Interrupted``; the command line then prints where the
+checkpoint is and how to resume, and exits with 128 + the signal's number (130 / 143). A second
+signal exits at once: every file of a run is written atomically, so nothing is left half-written.
+Under data parallelism the ranks agree after every step, so all stop at the same one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+
+import torch
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(Exception):
+    """Training stopped on a signal after writing ``checkpoint`` at ``step``."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(f"stopped by {self.signal_name} at step {step}: checkpoint {checkpoint}")
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM outside the training loop: raised like Ctrl-C's KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Outside the training loop SIGTERM interrupts like Ctrl-C does (``Stopped``), so that the
+    command line can clean up and say so instead of dying silently."""
+    if not _in_main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class StopOnSignal:
+    """Between ``install()`` and ``restore()`` (or within ``with StopOnSignal() as stop:``) the first
+    SIGINT / SIGTERM is remembered, not raised; the loop asks ``stop.requested(device)`` between
+    steps. A second one exits at once."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> StopOnSignal:
+        if _in_main_thread():  # (Python runs signal handlers in the main thread only)
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def __enter__(self) -> StopOnSignal:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            # Files are replaced atomically: exiting here leaves the last checkpoint as it was.
+            os.write(2, f"\n{name} again: exiting now; the last checkpoint written is kept\n".encode())
+            os._exit(128 + signum)
+        self.received = signum
+        os.write(2, f"\n{name}: stopping after this step to write a checkpoint ({name} again: exit now)\n".encode())
+
+    def requested(self, device: torch.device) -> int | None:
+        """The signal to stop on, agreed by every data-parallel rank (a collective there: call it
+        at the same points on every rank); None to go on."""
+        import torch.distributed as dist
+
+        received = self.received or 0
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            value = torch.tensor([received], dtype=torch.int64, device=device)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+            received = int(value.item())
+        return received or None
