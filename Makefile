@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-translation test test-fast lint bench gpu-check fairseq clean-venv
+.PHONY: demo demo-translation test test-fast lint bench gpu-check gpu-report fairseq clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ lint: $(STAMP)
 # Table 3/4 profiles against the CPU accounting: one PASS/FAIL line each (without CUDA: says so, exit 0).
 gpu-check: $(STAMP)
 	$(PY) scripts/gpu_check.py
+
+# The first thing to run on a GPU: gpu-check, the memory/speed benchmark (default and capped workspaces)
+# and the demo, written to docs/measurements/<date>-<device>.md (OUT=path elsewhere; TINY=1: toy shapes,
+# what a CPU-only machine runs). On a machine without the venv: make gpu-report PY=python3.
+gpu-report: $(if $(filter command line,$(origin PY)),,$(STAMP))
+	$(PY) scripts/gpu_report.py $(if $(filter-out 0,$(TINY)),--tiny) $(if $(OUT),--out "$(OUT)") \
+		--command "make gpu-report$(if $(TINY), TINY=$(TINY))$(if $(OUT), OUT=$(OUT))"
 
 bench: $(STAMP)
 	$(PY) scripts/bench_data.py

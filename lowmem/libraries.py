@@ -24,6 +24,14 @@ The environment variables are read when a library first runs in the process (PyT
 cuBLAS workspace size on first use), so they are set before the model touches the device; a
 variable the user has set is left as it is. On a machine without CUDA only the determinism
 switch matters (CPU kernels are deterministic already).
+
+Every trainer of a process (``gpu_check.py`` and the planner build many) gets its own settings:
+each call puts every setting at the value this run decides, and what an earlier run of lowmem set
+and this one does not want goes back to what it was before lowmem touched it (a variable lowmem
+set is removed again). A setting the user made (``torch.use_deterministic_algorithms(True)``, an
+environment variable) is never changed unless this run needs another value (``capped`` or
+``deterministic`` turning cuDNN benchmarking off), and then it is restored by a later run that
+does not.
 """
 
 from __future__ import annotations
@@ -66,19 +74,70 @@ def configure_libraries(
             f"CUBLAS_WORKSPACE_CONFIG={configured}: unset it or set one of {', '.join(_DETERMINISTIC_CUBLAS)}"
         )
     in_force = {}
-    for name, value in wanted.items():
-        current = os.environ.setdefault(name, value)
-        in_force[name] = current
-        if current != value:
-            log.info("%s=%s is set in the environment; trainer.workspaces/deterministic would set %s", name,
-                     current, value)
+    for name in sorted(set(CAPPED) | {"CUBLAS_WORKSPACE_CONFIG"}):
+        current = _apply(f"env:{name}", wanted.get(name))
+        if current is not None:
+            in_force[name] = current
+            if name in wanted and current != wanted[name]:
+                log.info("%s=%s is set in the environment; trainer.workspaces/deterministic would set %s", name,
+                         current, wanted[name])
     if device.type == "cuda" and wanted and torch.cuda.is_initialized():
         log.warning(
             "CUDA was already in use in this process: library workspaces created before this run keep their "
             "sizes (%s apply to new ones only)", ", ".join(sorted(wanted)),
         )
-    torch.use_deterministic_algorithms(deterministic)
-    torch.backends.cudnn.deterministic = deterministic
-    if deterministic:
-        torch.backends.cudnn.benchmark = False
+    # False is no choice of a run (the library's default): a user's True stays.
+    _apply("deterministic_algorithms", True if deterministic else None)
+    _apply("cudnn.deterministic", True if deterministic else None)
+    # cuDNN's timing borrows scratch memory (capped) and picks algorithms by speed (deterministic);
+    # otherwise tune_convolutions decides for the model it sees.
+    _apply("cudnn.benchmark", False if deterministic or workspaces == "capped" else None, force=True)
     return in_force
+
+
+# --- one process, many runs: what lowmem set, and what was there before it ---------------------------
+
+_NOT_SET = object()  # an environment variable that is absent
+_ours: dict[str, object] = {}  # setting -> the value lowmem put there
+_before: dict[str, object] = {}  # setting -> its value before lowmem first changed it
+
+
+def _read(setting: str) -> object:
+    if setting.startswith("env:"):
+        return os.environ.get(setting[4:], _NOT_SET)
+    if setting == "deterministic_algorithms":
+        return torch.are_deterministic_algorithms_enabled()
+    return getattr(torch.backends.cudnn, setting.split(".")[1])
+
+
+def _write(setting: str, value: object) -> None:
+    if setting.startswith("env:"):
+        if value is _NOT_SET:
+            os.environ.pop(setting[4:], None)
+        else:
+            os.environ[setting[4:]] = str(value)
+    elif setting == "deterministic_algorithms":
+        torch.use_deterministic_algorithms(bool(value))
+    else:
+        setattr(torch.backends.cudnn, setting.split(".")[1], bool(value))
+
+
+def _apply(setting: str, value: object | None, force: bool = False) -> str | None:
+    """Put ``setting`` at ``value`` for this run (None: this run has no say) and return the
+    environment variable's value in force (None when absent). A value the user set stays unless
+    ``force`` (the run cannot work with it); what lowmem set before and this run does not want
+    returns to the value it replaced."""
+    current = _read(setting)
+    if setting in _ours and current != _ours[setting]:  # changed since lowmem set it: the user's now
+        del _ours[setting], _before[setting]
+    user_set = setting not in _ours and current not in (_NOT_SET, False)
+    if value is None or (user_set and not force):
+        if setting in _ours:  # an earlier run's choice: undone
+            _write(setting, _before.pop(setting))
+            del _ours[setting]
+    else:
+        _before.setdefault(setting, current)
+        _ours[setting] = value
+        _write(setting, value)
+    now = _read(setting)
+    return None if now is _NOT_SET or not setting.startswith("env:") else str(now)

@@ -8,6 +8,7 @@ optimizer step and rewiring, in that order; ``Trainer.fit`` loops, evaluates, lo
 from __future__ import annotations
 
 import fnmatch
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lowmem import distributed
+from lowmem.cli_errors import RunRefused
 from lowmem.config import ConfigError, microbatch_mode, name_list, validate
 from lowmem.libraries import configure_libraries
 from lowmem.metrics_log import MetricsLog, Progress
@@ -28,8 +30,20 @@ from lowmem.planning.optimal import apply_optimal_checkpointing
 from lowmem.profiler import profile_trainer, track_peak
 from lowmem.profiler.step import data_tensors
 from lowmem.recipe import Recipe, RecipeData, TechniqueDefaults, get_recipe
-from lowmem.run_files import CHECKPOINT, METRICS, MODEL, RESULT, provenance, save_json, save_torch
+from lowmem.run_files import (
+    CHECKPOINT,
+    METRICS,
+    MODEL,
+    RESULT,
+    copy_file,
+    provenance,
+    read_checkpoint,
+    save_bytes,
+    save_json,
+    save_torch,
+)
 from lowmem.schedules import learning_rate
+from lowmem.signals import Interrupted, StopOnSignal
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.compact import compact_state_dict_keys, dense_copy, dense_state_dict
 from lowmem.techniques.convolutions import tune_convolutions
@@ -48,6 +62,7 @@ from lowmem.techniques.sparsity import DynamicSparsity
 from lowmem.techniques.targets import default_sparse_weights
 
 log = logging.getLogger("lowmem")
+SNAPSHOTS = "snapshots"  # dense model states after the last evaluations (recipes with ``average_last``)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -221,6 +236,8 @@ class Trainer:
         recorded = [r["peak_bytes"] for r in state.history if r.get("peak_bytes") is not None]
         peak = PeakTracker(self, previous=max(recorded, default=None))
         train = self.data.train
+        # SIGINT / SIGTERM: the loop stops after the step it is in, with a checkpoint at that step.
+        stop = StopOnSignal().install()
         try:
             while state.epoch < cfg.trainer.epochs and not _done(state, max_steps):
                 progress.start_epoch(state.epoch, len(train), state.batch_in_epoch)
@@ -237,6 +254,13 @@ class Trainer:
                     progress.step(state.step, {"loss": record["loss"], "lr": record.get("lr", 0.0)})
                     if _done(state, max_steps):
                         break
+                    signum = stop.requested(self.device)
+                    if signum is not None:
+                        state.train_seconds += time.perf_counter() - started
+                        progress.end_epoch(f"epoch {state.epoch}: stopped at step {state.step}")
+                        if rank0:
+                            self._save_checkpoint(run_dir, metrics)
+                        raise Interrupted(signum, state.step, run_dir / CHECKPOINT)
                 state.train_seconds += time.perf_counter() - started
                 epoch_finished = state.batch_in_epoch >= len(train)
                 with fast_cpu_half_kernels(self.policy, self.device), peak.track("evaluation"):
@@ -264,8 +288,18 @@ class Trainer:
                     state.epoch += 1
                     state.batch_in_epoch = 0
                 if rank0:
-                    save_torch(self.checkpoint_state(), run_dir / CHECKPOINT)
+                    # The snapshot before the checkpoint, old snapshots dropped after it: a run
+                    # killed in between resumes with every snapshot its checkpoint counts on.
                     self._save_snapshot(run_dir)
+                    self._save_checkpoint(run_dir, metrics)
+                    self._drop_old_snapshots(run_dir)
+                signum = stop.requested(self.device)
+                if signum is not None:
+                    raise Interrupted(signum, state.step, run_dir / CHECKPOINT)
+            # (Stopped before the final scoring: the checkpoint is at the last step; resuming scores.)
+            signum = stop.requested(self.device)
+            if signum is not None:
+                raise Interrupted(signum, state.step, run_dir / CHECKPOINT)
             # The peak is read before the final scoring below (averaged snapshots on a dense copy).
             result = self.result(peak.peak_bytes)
             result["peak_scope"] = peak.scope
@@ -278,31 +312,42 @@ class Trainer:
                 with autocast_context(self.policy, self.device):
                     # A dense copy: the snapshots are plain dense state dicts, averaged across masks.
                     dense_model = dense_copy(self.unwrapped_model)
-                    scores = final_evaluation(dense_model, self.data.test, self._snapshots(run_dir))
+                    keep = getattr(self.recipe, "average_last", 0)
+                    snapshots = self._snapshots(run_dir)[-keep:] if keep > 0 else []
+                    scores = final_evaluation(dense_model, self.data.test, snapshots)
                 result.update(scores)
                 metrics.log({"step": state.step, "final": scores})
+            if rank0:
+                save_torch(dense_state_dict(self.unwrapped_model), run_dir / MODEL)
+                save_json(result, run_dir / RESULT)
         finally:
             metrics.close()
-        if rank0:
-            save_torch(dense_state_dict(self.unwrapped_model), run_dir / MODEL)
-            save_json(result, run_dir / RESULT)
+            stop.restore()
         return result
 
     def _better(self, a: float, b: float) -> float:
         return max(a, b) if getattr(self.recipe, "higher_is_better", True) else min(a, b)
 
     def _snapshots(self, run_dir: Path) -> list[Path]:
-        return sorted((run_dir / "snapshots").glob("step_*.pt"))
+        return sorted((run_dir / SNAPSHOTS).glob("step_*.pt"))
 
     def _save_snapshot(self, run_dir: Path) -> None:
         """Keep the model after each of the last ``recipe.average_last`` evaluations (translation
-        averages them for its final score)."""
+        averages them for its final score; ``_drop_old_snapshots`` removes the older ones)."""
+        if getattr(self.recipe, "average_last", 0) > 0:
+            save_torch(dense_state_dict(self.unwrapped_model), run_dir / SNAPSHOTS / f"step_{self.state.step:09d}.pt")
+
+    def _drop_old_snapshots(self, run_dir: Path) -> None:
         keep = getattr(self.recipe, "average_last", 0)
-        if keep <= 0:
-            return
-        save_torch(dense_state_dict(self.unwrapped_model), run_dir / "snapshots" / f"step_{self.state.step:09d}.pt")
-        for old in self._snapshots(run_dir)[:-keep]:
-            old.unlink()
+        if keep > 0:
+            for old in self._snapshots(run_dir)[:-keep]:
+                old.unlink()
+
+    def _save_checkpoint(self, run_dir: Path, metrics: MetricsLog) -> None:
+        """``checkpoint.pt``, with the number of ``metrics.jsonl`` lines written up to it: a resumed
+        run drops the lines after (a run killed after logging steps its checkpoint does not hold
+        would log them again)."""
+        save_torch({**self.checkpoint_state(), "metrics_lines": metrics.lines}, run_dir / CHECKPOINT)
 
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
@@ -343,15 +388,7 @@ class Trainer:
         }
 
     def load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        saved = checkpoint.get("config", {}).get("sparsity", {})
-        for knob in ("density", "storage"):
-            mine = self.config.sparsity[knob]
-            theirs = saved.get(knob, "masked" if knob == "storage" else None)
-            if theirs is not None and theirs != mine:
-                raise ConfigError(
-                    f"trainer.resume: the checkpoint was trained with sparsity.{knob}={theirs}, this run has "
-                    f"sparsity.{knob}={mine}; resume with sparsity.{knob}={theirs}"
-                )
+        check_resumable(checkpoint.get("config", {}), OmegaConf.to_container(self.config, resolve=True))
         if (checkpoint["sparsity"] is None) != (self.sparsity is None):
             raise ConfigError("trainer.resume: the checkpoint's sparsity.density differs from this run's")
         # Sparsity first: compact storage lays the weights out for the checkpoint's active counts,
@@ -371,6 +408,49 @@ class Trainer:
             torch.cuda.set_rng_state(state.cpu(), index)
 
 
+# The knobs a checkpoint's state depends on (weights' dtypes and shapes, the optimizer's and the
+# loss scaler's state, sparse layouts): resuming with another value is refused, naming the knob.
+STATE_KNOBS = (
+    "recipe",
+    "model",
+    "precision.name",
+    "optim.name",
+    "optim.state_bits",
+    "sparsity.density",
+    "sparsity.storage",
+    "sparsity.include",
+    "sparsity.exclude",
+)
+_ABSENT = object()
+
+
+def _knob(config: dict, knob: str) -> Any:
+    for key in knob.split("."):
+        if not isinstance(config, dict) or key not in config:
+            return _ABSENT
+        config = config[key]
+    return config
+
+
+def check_resumable(saved: dict, mine: dict) -> None:
+    """Refuse to resume a checkpoint trained with ``saved`` (its configuration) under ``mine`` when
+    a knob of ``STATE_KNOBS`` differs; the error names the knob and the value to resume with."""
+    if _knob(saved, "sparsity.storage") is _ABSENT and isinstance(saved.get("sparsity"), dict):
+        saved = {**saved, "sparsity": {**saved["sparsity"], "storage": "masked"}}  # before compact storage
+    for knob in STATE_KNOBS:
+        theirs, ours = _knob(saved, knob), _knob(mine, knob)
+        if theirs is _ABSENT or ours is _ABSENT or theirs == ours:
+            continue
+        if isinstance(theirs, dict) and isinstance(ours, dict):  # model.*: name the first key that differs
+            key = sorted(k for k in {*theirs, *ours} if theirs.get(k) != ours.get(k))[0]
+            knob, theirs, ours = f"{knob}.{key}", theirs.get(key), ours.get(key)
+        name = "precision" if knob == "precision.name" else knob
+        raise ConfigError(
+            f"trainer.resume: the checkpoint was trained with {name}={theirs}, this run has {name}={ours}; "
+            f"resume with {name}={theirs} (the checkpoint's state depends on it)"
+        )
+
+
 def model_device(model: nn.Module, default: torch.device) -> torch.device:
     """The device of ``model``'s first parameter (``default`` for a model without parameters)."""
     return next((p.device for p in model.parameters()), default)
@@ -384,15 +464,17 @@ class PeakTracker:
     """The measured peak of a run (bytes): training steps and evaluations alike, on every device.
 
     CUDA: the allocator's ``max_memory_allocated`` since this process started training (every step
-    and every evaluation). CPU, where the allocator keeps no statistics: lowmem's tensor tracker
-    over the first training step and the first evaluation of this process (tracking slows what it
-    measures, and later steps repeat the first). ``previous``: the peak a resumed run had measured
-    before this process; the run's peak is the larger of the two. The trainer's model, optimizer and
-    data let the tracker name what it sees (it counts every tensor alive either way).
+    and every evaluation), plus what the CUDA graphs' pool holds idle (``graph_pool_bytes``: replays
+    allocate nothing, so the allocated peak never sees it). CPU, where the allocator keeps no
+    statistics: lowmem's tensor tracker over the first training step and the first evaluation of
+    this process (tracking slows what it measures, and later steps repeat the first).
+    ``previous``: the peak a resumed run had measured before this process; the run's peak is the
+    larger of the two. The trainer's model, optimizer and data let the tracker name what it sees
+    (it counts every tensor alive either way).
     """
 
     SCOPE = {
-        "cuda": "cuda allocator: every training step and evaluation",
+        "cuda": "cuda allocator: every training step and evaluation, CUDA graph pool included",
         "cpu": "cpu tensor tracker: the first training step and the first evaluation",
     }
 
@@ -406,7 +488,9 @@ class PeakTracker:
     def peak_bytes(self) -> int | None:
         known = [value for value in (self.previous, *self.measured.values()) if value is not None]
         if self.device.type == "cuda":
-            known.append(int(torch.cuda.max_memory_allocated(self.device)))
+            from lowmem.profiler.peak import graph_pool_bytes  # the graphs' pool, which replays never allocate
+
+            known.append(int(torch.cuda.max_memory_allocated(self.device)) + graph_pool_bytes(self.device))
         return max(known) if known else None
 
     @property
@@ -605,7 +689,10 @@ def _pick(value: float | None, default: float) -> float:
 
 
 def resume_from(trainer: Trainer, resume_dir: str, run_dir: Path) -> None:
-    """Load ``resume_dir/checkpoint.pt``; carry its metrics history over when the run dir is new."""
+    """Load ``resume_dir/checkpoint.pt`` into ``trainer``; then ``run_dir`` holds what the run's
+    result depends on as of the checkpoint: ``metrics.jsonl`` up to the checkpoint (carried over
+    from ``resume_dir`` when it is another directory, lines logged after the checkpoint dropped)
+    and the snapshots up to its step (``snapshots/``, averaged by translation's final score)."""
     source = Path(resume_dir)
     path = source / CHECKPOINT
     if not path.is_file():
@@ -613,7 +700,41 @@ def resume_from(trainer: Trainer, resume_dir: str, run_dir: Path) -> None:
     # Loaded on the CPU: each piece of state is copied to where it belongs as it is loaded (the
     # model's and optimizer's tensors to their parameters' device), and generator states must stay
     # CPU byte tensors (torch.set_rng_state and Generator.set_state accept nothing else).
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    trainer.load_checkpoint(checkpoint)
-    if distributed.is_rank0() and source.resolve() != run_dir.resolve() and (source / METRICS).is_file():
-        (run_dir / METRICS).write_bytes((source / METRICS).read_bytes())
+    checkpoint = read_checkpoint(path, f"trainer.resume={resume_dir}")
+    try:
+        trainer.load_checkpoint(checkpoint)
+    except (KeyError, TypeError, RuntimeError) as error:
+        message = f"trainer.resume={resume_dir}: {path} does not fit this run or is damaged ({error})"
+        raise RunRefused(message) from error
+    if distributed.is_rank0():
+        carry_run_files(source, Path(run_dir), checkpoint)
+
+
+def carry_run_files(source: Path, run_dir: Path, checkpoint: dict[str, Any]) -> None:
+    """``run_dir``'s metrics and snapshots as they were when ``checkpoint`` (read from ``source``) was
+    written; ``source`` may be ``run_dir`` itself."""
+    step = checkpoint["trainer"]["step"]
+    same = source.resolve() == run_dir.resolve()
+    if (source / METRICS).is_file():
+        lines = (source / METRICS).read_bytes().splitlines(keepends=True)
+        count = checkpoint.get("metrics_lines")
+        if count is not None:
+            kept = lines[:count]
+        else:  # a checkpoint from before the count was recorded: the records up to its step
+            kept = [line for line in lines if _logged_by(line, step)]
+        if not same or kept != lines:
+            save_bytes(b"".join(kept), run_dir / METRICS)
+    for snapshot in sorted((source / SNAPSHOTS).glob("step_*.pt")):
+        after = int(snapshot.stem.removeprefix("step_")) > step
+        if same and after:
+            snapshot.unlink()  # written after the checkpoint: the resumed run writes it again
+        elif not same and not after:
+            copy_file(snapshot, run_dir / SNAPSHOTS / snapshot.name)
+
+
+def _logged_by(line: bytes, step: int) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False  # a line cut short by a kill
+    return "final" not in record and record.get("step", 0) <= step

@@ -14,15 +14,19 @@ Rows:
 - each lowmem technique alone; the report's Table 3 combinations (rows 2-7, true microbatching).
 
 On a CPU, 16-bit rows use BF16 (this CPU has no fast FP16 kernels; BF16 and FP16 take the same
-bytes); on CUDA they use FP16 as in the report.
+bytes); on CUDA they use FP16 as in the report. ``--workspaces capped`` runs every row with the
+capped library workspaces (``trainer.workspaces=capped``; the libraries read them once per process,
+so capped and default rows are separate runs); ``--tiny`` the same rows on WRN-10-1 (seconds on a
+CPU: what ``make gpu-report TINY=1`` runs); ``--json`` also writes the rows as JSON.
 
-    .venv/bin/python scripts/bench_memory.py [--repeats 3] [--out bench_memory.md]
+    .venv/bin/python scripts/bench_memory.py [--repeats 3] [--out bench_memory.md] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -32,12 +36,17 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lowmem.config import compose
+from lowmem.libraries import configure_libraries
 from lowmem.profiler import account_activations, count_flops, measure_peak, profile_trainer
 from lowmem.run_files import save_bytes
 from lowmem.trainer import build_trainer
 from recipes.wrn_cifar.model import WideResNet
 
-BASE = ["+recipe=wrn_cifar", "data=fake", "data.batch_size=100", "trainer.progress=none"]
+BATCH = 100  # images a step
+BASE = ["+recipe=wrn_cifar", "data=fake", "trainer.progress=none"]
+WRN = (28, 2)  # depth, width
+WORKSPACES = "default"  # trainer.workspaces of every lowmem row
+TINY = ["model.depth=10", "model.width=1", "data.train_size=40", "data.test_size=20"]  # batches of 20
 
 
 def lowmem_rows(sixteen: str) -> dict[str, list[str]]:
@@ -62,7 +71,7 @@ def lowmem_rows(sixteen: str) -> dict[str, list[str]]:
         f"sparsity 0.3 {sixteen.upper()}, masked storage": [
             "sparsity.density=0.3", f"precision={sixteen}", "sparsity.storage=masked"
         ],
-        "T3 row 2: d1.0 mb100": [*star, "microbatch.size=100"],
+        f"T3 row 2: d1.0 mb{BATCH}": [*star, f"microbatch.size={BATCH}"],
         "T3 row 3: d1.0 mb10": [*star, "microbatch.size=10"],
         "T3 row 4: d0.3 mb10": [*star, "sparsity.density=0.3", "microbatch.size=10"],
         "T3 row 5: d0.2 mb10": [*star, "sparsity.density=0.2", "microbatch.size=10"],
@@ -90,7 +99,7 @@ def median_seconds(step: Callable[[], object], repeats: int, device: torch.devic
 def plain_pytorch(batch, device, peer: bool, sixteen: torch.dtype, repeats: int) -> dict:
     """Plain PyTorch (peer=False) or autocast + GradScaler + torch.utils.checkpoint (peer=True)."""
     torch.manual_seed(0)
-    model = WideResNet(28, 2).to(device)
+    model = WideResNet(*WRN).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
     scaler = torch.amp.GradScaler(device.type, enabled=peer and device.type == "cuda")
     images, labels = batch
@@ -134,7 +143,7 @@ def plain_pytorch(batch, device, peer: bool, sixteen: torch.dtype, repeats: int)
 
 
 def lowmem_row(overrides: list[str], repeats: int) -> dict:
-    trainer = build_trainer(compose(*BASE, *overrides))
+    trainer = build_trainer(compose(*BASE, *overrides, f"trainer.workspaces={WORKSPACES}"))
     report = profile_trainer(trainer, measure=True)
     batch = trainer.example_batch()
     return {
@@ -147,13 +156,24 @@ def lowmem_row(overrides: list[str], repeats: int) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="bench_memory.md")
     parser.add_argument("--only", nargs="*", help="substrings of row names to run")
-    args = parser.parse_args()
+    parser.add_argument("--workspaces", choices=("default", "capped"), default="default",
+                        help="the CUDA libraries' workspaces for every row (trainer.workspaces)")
+    parser.add_argument("--tiny", action="store_true", help="WRN-10-1 on 200 fake images: the rows in seconds")
+    parser.add_argument("--json", help="also write the rows here (bytes, seconds, FLOPs)")
+    args = parser.parse_args(argv)
+    global WRN, WORKSPACES, BATCH
+    WORKSPACES = args.workspaces
+    if args.tiny:
+        BASE.extend(TINY)
+        WRN, BATCH = (10, 1), 20
+    BASE.append(f"data.batch_size={BATCH}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    configure_libraries(device, args.workspaces)  # before anything runs: the plain rows too
     sixteen = "fp16" if device.type == "cuda" else "bf16"
     rows: dict[str, dict] = {}
     plain = {"plain PyTorch FP32": False, f"peer: autocast {sixteen.upper()} + GradScaler + torch checkpoint/2": True}
@@ -169,17 +189,20 @@ def main() -> None:
             gc.collect()  # the previous rows' trainers must not count in this row's measured peak
             rows[name] = lowmem_row(overrides, args.repeats)
             print(name, rows[name], flush=True)
-    table = render(rows, device)
+    table = render(rows, device, args.workspaces)
     print(table)
     save_bytes(table.encode(), args.out)
+    if args.json:
+        save_bytes(json.dumps(rows, indent=1).encode(), args.json)
 
 
-def render(rows: dict[str, dict], device: torch.device) -> str:
+def render(rows: dict[str, dict], device: torch.device, workspaces: str = "default") -> str:
     base = rows.get("plain PyTorch FP32") or next(iter(rows.values()))
     none = rows.get("lowmem FP32 (no technique)")
     mb = lambda b: "—" if b is None else f"{b / 1e6:.1f}"  # noqa: E731
     lines = [
-        f"WRN-28-2, batch 100, {device} ({torch.get_num_threads()} threads), torch {torch.__version__}; "
+        f"WRN-{WRN[0]}-{WRN[1]}, batch {BATCH}, {device} ({torch.get_num_threads()} threads), torch "
+        f"{torch.__version__}, {workspaces} library workspaces; "
         "ratios to plain PyTorch FP32; last column: lowmem's step-time ratio to its own run without "
         "techniques, over the FLOPs ratio (1.00 = time grows exactly as FLOPs)",
         "",

@@ -6,7 +6,8 @@ prints a Table-3-style comparison (accounted memory, measured peak, reduction, a
 writes the Pareto table and plot (``python -m lowmem.report``) beside the runs.
 
 BF16 stands in for FP16 on a CPU (this CPU has no fast FP16 kernels: an FP16 WRN step takes ~18 s);
-on a GPU the full combination uses FP16, as in the report.
+on a GPU the full combination uses FP16, as in the report. ``--tiny``: WRN-10-1 on fake data for a few steps
+(what ``make gpu-report TINY=1`` runs on a CPU).
 """
 
 from __future__ import annotations
@@ -53,9 +54,17 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--out", default=str(ROOT / "outputs" / "demo"))
     parser.add_argument("--only-baseline", action="store_true", help="train the dense FP32 baseline only")
+    parser.add_argument("--tiny", action="store_true", help="WRN-10-1 on fake data, 4 steps: the path in seconds")
     args = parser.parse_args()
+    if args.tiny:
+        args.epochs = 1
     sixteen_bit = "fp16" if _cuda() else "bf16"
     short = [a.format(epochs=args.epochs, m1=args.epochs // 2, m2=(3 * args.epochs) // 4) for a in SHORT_RUN]
+    if args.tiny:
+        short = [a for a in short if a != "data=digits"] + [
+            "data=fake", "data.train_size=80", "data.test_size=40", "data.batch_size=20", "model.depth=10",
+            "model.width=1", "trainer.max_steps=4",
+        ]
     rows = []
     started = time.perf_counter()
     for index, (label, overrides) in enumerate(configurations(sixteen_bit).items()):

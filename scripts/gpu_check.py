@@ -20,7 +20,7 @@ On one GPU, in a few minutes:
    without residual_star checkpointing.
 
 Without CUDA it says so and exits 0. ``--device cpu --tiny`` runs the same cases on small models on
-the CPU (what the tests run); ``--only WORD`` keeps the cases whose name contains WORD.
+the CPU (what the tests run); ``--only WORD [WORD ...]`` keeps the cases whose name contains one of them.
 Exit status: 1 if any case failed.
 """
 
@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu (with --tiny: the tests)")
     parser.add_argument("--tiny", action="store_true", help="toy models: the same cases in seconds on a CPU")
-    parser.add_argument("--only", default="", help="run only the cases whose name contains this")
+    parser.add_argument("--only", nargs="+", default=[""], metavar="WORD",
+                        help="run only the cases whose name contains one of these")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu-check: no CUDA device on this machine; nothing to check (run it where a GPU is)")
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = {"PASS": 0, "FAIL": 0, "N/A": 0}
     started = time.perf_counter()
     for case in cases(args.device, args.tiny):
-        if args.only not in case.name:
+        if not any(word in case.name for word in args.only):
             continue
         began = time.perf_counter()
         try:

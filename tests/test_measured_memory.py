@@ -127,3 +127,48 @@ def test_resuming_a_compact_checkpoint_with_another_sparsity_names_the_knob(tmp_
             tmp_path / "second", *TINY_WRN, f"sparsity.density={overrides['density']}",
             f"sparsity.storage={overrides['storage']}", f"trainer.resume={tmp_path / 'first'}",
         )
+
+
+# --- the Triton optimizer's device tables ------------------------------------------------------------
+
+
+def test_the_triton_tables_are_reused_while_unchanged_replaced_at_a_rewiring_and_bounded():
+    triton_kernels = pytest.importorskip("lowmem.kernels.triton_kernels")
+    triton_kernels._tables.clear()
+    cpu = torch.device("cpu")
+    slot = ("sgd", cpu, 2, torch.float16)
+    first = triton_kernels._table(slot, [[1, 2], [3, 4]], cpu)
+    chunks = triton_kernels._chunks(slot, (1500, 10), cpu)
+    assert triton_kernels._table(slot, [[1, 2], [3, 4]], cpu) is first  # no new copy to the device
+    assert triton_kernels._chunks(slot, (1500, 10), cpu) is chunks
+    assert chunks[0].tolist() == [0, 0, 1] and chunks[1].tolist() == [0, 1024, 0]
+    moved = triton_kernels._table(slot, [[5, 6], [3, 4]], cpu)  # a rewiring moved the weights
+    assert moved is not first and moved.tolist() == [5, 6, 3, 4]
+    assert len(triton_kernels._tables) == 2  # the old table is no longer held
+    for count in range(3 * triton_kernels.MAX_TABLE_SLOTS):
+        triton_kernels._table(("adam", cpu, count, torch.bfloat16), [[count]], cpu)
+    assert len(triton_kernels._tables) == triton_kernels.MAX_TABLE_SLOTS
+    triton_kernels._tables.clear()
+
+
+# --- the CUDA graphs' memory pool counts in the measured peak ------------------------------------------
+
+
+def test_the_graph_pool_held_idle_counts_in_the_measured_peak(monkeypatch):
+    from lowmem.profiler.peak import graph_pool_bytes
+    from lowmem.trainer import PeakTracker
+
+    segments = [  # the default pool, a graph pool with 6 MB idle, a graph pool on another device
+        {"device": 0, "total_size": 20_000_000, "allocated_size": 5_000_000, "segment_pool_id": (0, 0)},
+        {"device": 0, "total_size": 8_000_000, "allocated_size": 2_000_000, "segment_pool_id": (1, 1)},
+        {"device": 1, "total_size": 8_000_000, "allocated_size": 0, "segment_pool_id": (1, 2)},
+    ]
+    assert graph_pool_bytes(torch.device("cuda", 0), segments) == 6_000_000
+    assert graph_pool_bytes(torch.device("cpu")) == 0
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 30_000_000)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    trainer = type("FakeTrainer", (), {"device": torch.device("cuda", 0)})()
+    tracker = PeakTracker(trainer)
+    assert tracker.peak_bytes == 36_000_000 and "graph pool" in tracker.scope

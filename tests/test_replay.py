@@ -23,6 +23,7 @@ from lowmem.techniques.convolutions import input_memory_format, tune_convolution
 from lowmem.techniques.precision import AmpLossScaler, LossScaler, fast_cpu_half_kernels
 from lowmem.techniques.replay import (
     WARM_UP_PASSES,
+    CudaGraphBackend,
     EagerMicrobatches,
     RecordingBackend,
     ReplayedMicrobatches,
@@ -313,6 +314,113 @@ def test_capture_that_fails_runs_eagerly_and_is_logged_once(caplog):
     assert replayed.backend.captures == 1 and len(replayed.refused) == 1 and not replayed.graphs
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "operation not permitted" in warnings[0].getMessage()
+
+
+def test_a_replay_that_differs_from_eager_is_dropped_and_the_eager_results_kept(caplog):
+    class Drifting(CheckedRecorder):
+        """A capture whose replays add a little to one gradient (a kernel that differs in a graph)."""
+
+        def capture(self, call):
+            recorded = super().capture(call)
+            params = self.params
+
+            class Wrong:
+                def replay(self) -> torch.Tensor:
+                    loss = recorded.replay()
+                    params[0].grad.add_(1e-6)
+                    return loss
+
+            return Wrong()
+
+    (model, params, eager), (other, other_params, replayed) = runners(backend_for=Drifting)
+    with caplog.at_level(logging.WARNING, logger="lowmem"):
+        expected, got = run_steps(model, params, eager, 4, {}), run_steps(other, other_params, replayed, 4, {})
+    assert_same(expected, got)  # the differing replay's microbatch keeps the eager run's results
+    assert replayed.backend.captures == 1 and replayed.backend.replays == 1 and not replayed.graphs
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "does not replay as it runs eagerly" in warnings[0]
+
+
+def test_a_replay_whose_recomputed_dropout_draws_other_masks_is_dropped(caplog):
+    class OtherMasks(CheckedRecorder):
+        """Replays that draw other random numbers than the eager run (as a capture whose
+        recomputation did not rewind the generator would)."""
+
+        def capture(self, call):
+            recorded = super().capture(call)
+
+            class Redrawn:
+                def replay(self) -> torch.Tensor:
+                    torch.manual_seed(12345)
+                    return recorded.replay()
+
+            return Redrawn()
+
+    (model, params, eager), (other, other_params, replayed) = runners(backend_for=OtherMasks)
+    with caplog.at_level(logging.WARNING, logger="lowmem"):
+        replayed_steps = run_steps(other, other_params, replayed, 3, {})
+    expected = run_steps(model, params, eager, 3, {})
+    assert_same(expected[:1], replayed_steps[:1])
+    # Step 2's first microbatch is captured; its replay drew other masks, so the eager loss is kept.
+    # (The replay reseeded the generator: what follows it draws otherwise, as it would on a device.)
+    assert torch.equal(expected[1][0][0], replayed_steps[1][0][0])
+    assert not replayed.graphs and sum("does not replay" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_verified_capture_is_checked_once():
+    (model, params, eager), (other, other_params, replayed) = runners()
+    checks = []
+    original = replayed._verified_replay
+    replayed._verified_replay = lambda *args: checks.append(1) or original(*args)
+    assert_same(run_steps(model, params, eager, 4, {}), run_steps(other, other_params, replayed, 4, {}))
+    assert len(checks) == 1 and all(captured.verified for captured in replayed.graphs.values())
+
+
+class FakeStream:
+    def wait_stream(self, other: FakeStream) -> None:
+        pass
+
+
+class FakeCuda:
+    """torch.cuda's streams and graphs, recorded on a CPU: ``torch.cuda.graph`` whose capture_end
+    raises, and whose exit then skips restoring the stream (as torch's does)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.main = self.current = FakeStream()
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream())
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: setattr(self, "current", stream))
+        monkeypatch.setattr(torch.cuda, "stream", self.stream)
+        monkeypatch.setattr(torch.cuda, "graph", self.graph)
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    @contextlib.contextmanager
+    def graph(self, graph, pool=None, stream=None):
+        self.current = stream
+        yield
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+
+def test_a_capture_failing_in_capture_end_restores_the_stream_and_stops_capturing(monkeypatch, caplog):
+    fake = FakeCuda(monkeypatch)
+    (model, params, eager), (other, other_params, replayed) = runners(
+        backend_for=lambda model, params: CudaGraphBackend(torch.device("cpu"))
+    )
+    with caplog.at_level(logging.WARNING, logger="lowmem"):
+        expected, got = run_steps(model, params, eager, 4, {}), run_steps(other, other_params, replayed, 4, {})
+    assert fake.current is fake.main  # not the abandoned capture stream
+    assert_same(expected, got)
+    assert replayed.disabled is not None and "no further capture" in replayed.disabled and not replayed.graphs
+    assert sum("no further capture" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_parameter_without_gradient_turns_the_runner_eager(caplog):

@@ -31,6 +31,8 @@ from lowmem.techniques.precision import CpuHalfConvolutionBackward
 # - data: the data set resident on the device and the minibatch being trained on;
 # - workspaces: allocator memory no tensor accounts for (CUDA: cuBLAS/cuDNN workspaces, kernel
 #   scratch), sampled at the tracker's peak; CPU kernels' scratch is invisible (always 0);
+# - graph_pool: CUDA graphs' private memory pool (trainer.cuda_graphs=auto) held reserved for the
+#   replays while no tensor uses it: max_memory_allocated never sees it (replays allocate nothing);
 # - parameters: parameters and buffers (BatchNorm statistics, compact sparse positions);
 # - gradients, optimizer_state, saved_activations (what autograd holds for backward);
 # - temporary: everything else the step creates (unsaved outputs, activation gradients, scratch);
@@ -38,6 +40,7 @@ from lowmem.techniques.precision import CpuHalfConvolutionBackward
 PEAK_CATEGORIES = (
     "data",
     "workspaces",
+    "graph_pool",
     "parameters",
     "gradients",
     "optimizer_state",
@@ -51,7 +54,7 @@ PEAK_CATEGORIES = (
 class PeakMeasurement:
     """The measured peak of one step (bytes) and what was alive then."""
 
-    peak_bytes: int  # CUDA: max_memory_allocated; CPU: the tracker's peak of live tensor bytes
+    peak_bytes: int  # CUDA: max_memory_allocated + idle graph pool; CPU: the tracker's peak of live tensor bytes
     breakdown: dict[str, int]  # PEAK_CATEGORIES -> bytes at the tracker's peak
     location: str  # "<phase>: <module or autograd node> / <aten op>" at the tracker's peak
     start_bytes: int  # live tensor bytes when the step started
@@ -259,6 +262,22 @@ def track_peak(
         yield tracker
 
 
+def graph_pool_bytes(device: torch.device, segments: list[dict] | None = None) -> int:
+    """Bytes ``device``'s allocator holds in private pools (the CUDA graphs' pools) that no tensor
+    uses: reserved for the replays for as long as the graphs live, though ``max_memory_allocated``
+    never counts them. ``segments``: ``torch.cuda.memory_snapshot()`` (taken here on CUDA; 0 elsewhere)."""
+    if segments is None:
+        if device.type != "cuda" or not torch.cuda.is_initialized():
+            return 0
+        segments = torch.cuda.memory_snapshot()
+    index = torch.cuda.current_device() if device.index is None and device.type == "cuda" else device.index
+    return sum(
+        segment["total_size"] - segment["allocated_size"]
+        for segment in segments
+        if tuple(segment.get("segment_pool_id") or (0, 0)) != (0, 0) and segment.get("device", index) == index
+    )
+
+
 def measure_peak(
     train_step: Callable[[], object],
     model: nn.Module | None = None,
@@ -284,9 +303,10 @@ def measure_peak(
         train_step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        pool = graph_pool_bytes(device)
         return PeakMeasurement(
-            int(torch.cuda.max_memory_allocated(device)),
-            tracker.breakdown,
+            int(torch.cuda.max_memory_allocated(device)) + pool,
+            {**tracker.breakdown, "graph_pool": pool},
             tracker.location,
             tracker.start_bytes,
             "cuda allocator",

@@ -234,22 +234,17 @@ class _RngState:
 
     Inside a CUDA graph capture (``lowmem.techniques.replay``) the CUDA state is the capture's:
     torch >= 2.10 reads and sets a generator's state inside a capture as long as the seed stays,
-    which moves the capture's Philox offset. So a captured recomputation rewinds to the offset its
-    forward drew from, every replay redraws the forward's dropout masks, and replays advance the
-    generator like eager steps. Older torch refuses inside a capture: this raises a clear error
-    there, and the replaying runner keeps that microbatch shape eager.
+    which moves the capture's Philox offset (pytorch/pytorch#162505). So a captured recomputation
+    rewinds to the offset its forward drew from, every replay redraws the forward's dropout masks,
+    and replays advance the generator like eager steps. That is not taken on trust from torch's
+    version: the replaying runner checks each new capture's first replay against an eager run
+    (gradients included, which a recomputation with other masks changes) and keeps the shape eager
+    if they differ; a torch that refuses inside a capture fails the capture, and the run goes on
+    eagerly.
     """
-
-    # Reading and setting a CUDA generator's state inside a graph capture (pytorch/pytorch#162505).
-    capture_safe = torch.__version__ >= (2, 10)  # a TorchVersion: compares as a version
 
     def __init__(self, device: torch.device) -> None:
         self.cuda_devices = [device] if device.type == "cuda" else []
-        if self.cuda_devices and not self.capture_safe and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"checkpointed recomputation cannot replay CUDA random numbers inside a CUDA graph "
-                f"capture with torch {torch.__version__} (needs torch >= 2.10)"
-            )
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
 

@@ -36,6 +36,14 @@ compact-sparsity rewiring re-slices the weights and drops their gradients; resum
 out). Nothing else a capture reads can change: the loss scale is a device tensor, the precision,
 checkpointing strategy and the models' Python-side choices are fixed for a run.
 
+Each new capture is checked once, at its first replay, against an eager run of the same microbatch
+from the same state and random numbers: loss, every gradient and every buffer (BatchNorm statistics)
+must be equal — bit for bit where the eager run is deterministic (CPU, ``trainer.deterministic``),
+else within ``VERIFY_TOLERANCE`` of each tensor's largest magnitude. A capture that differs is
+dropped, its microbatch keeps the eager run's results, and the shape runs eagerly from then on (one
+warning). A failure at the CUDA level during a capture (the device's state is then in doubt) stops
+capturing for the rest of the run; the stream in use before it is restored whatever failed.
+
 Anything that cannot be captured runs eagerly, and the run goes on: a shape not yet repeated (the
 translation recipe's token batches rarely repeat: their padded shapes and token counts vary), a
 shape that only occurs after another microbatch of the step (a short last microbatch: a capture
@@ -72,6 +80,9 @@ WARM_UP_PASSES = 3  # eager passes on the capture stream before a capture (cuDNN
 MAX_GRAPHS = 8  # microbatch shapes kept captured at once; further shapes run eagerly
 MAX_FAILED_CAPTURES = 3  # after this many shapes failed to capture, no new shape is tried
 MAX_REMEMBERED_SHAPES = 4096  # shapes counted while waiting to repeat (token batches rarely do)
+# A first replay may differ from eager by this fraction of a tensor's largest magnitude where the
+# eager run is not deterministic (CUDA kernels with atomics); elsewhere it must be bit for bit.
+VERIFY_TOLERANCE = 1e-3
 
 LossFunction = Callable[[nn.Module, Any], torch.Tensor]  # (model, microbatch) -> mean loss, FP32
 
@@ -155,17 +166,22 @@ class CudaGraphBackend:
                 for _ in range(passes):
                     call()
         finally:  # what the runner restores afterwards, on the main stream, waits for these passes
+            _restore_stream(main, self.device)
             main.wait_stream(self.stream)
 
     def capture(self, call: Callable[[], torch.Tensor]) -> Replay:
         graph = torch.cuda.CUDAGraph()
+        main = torch.cuda.current_stream(self.device)
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 output = call()
-        except Exception:
-            # A failed capture may leave its stream routed to the pool: later work gets a new one.
+        except Exception as error:
+            # torch.cuda.graph's exit skips the stream context's when capture_end raises: the rest of
+            # the run would go on on the capture stream. The previous one is put back, and a failed
+            # capture's stream (perhaps still routed to the pool) is never used again.
+            _restore_stream(main, self.device)
             self.stream = torch.cuda.Stream(self.device)
-            raise
+            raise CaptureFailed(_describe(error)) from error
         return _CudaGraphReplay(graph, output)
 
 
@@ -177,6 +193,23 @@ class _CudaGraphReplay:
     def replay(self) -> torch.Tensor:
         self.graph.replay()
         return self.output
+
+
+class CaptureFailed(RuntimeError):
+    """A capture failed on the device (inside ``torch.cuda.graph``): the runner captures no more."""
+
+
+def _restore_stream(stream: torch.cuda.Stream, device: torch.device) -> None:
+    if torch.cuda.current_stream(device) != stream:
+        torch.cuda.set_stream(stream)
+
+
+def _cuda_level(error: Exception) -> bool:
+    """Whether ``error`` came from the device (a CUDA error, a failed capture), not from Python."""
+    accelerator_error = getattr(torch, "AcceleratorError", CaptureFailed)
+    return isinstance(error, CaptureFailed | accelerator_error) or (
+        isinstance(error, RuntimeError) and "CUDA" in str(error)
+    )
 
 
 class RecordingBackend:
@@ -210,6 +243,7 @@ class _Captured:
 
     inputs: list[torch.Tensor]  # one per tensor leaf of the microbatch, in pytree order
     replay: Replay
+    verified: bool = False  # its first replay matched an eager run
 
 
 class ReplayedMicrobatches:
@@ -270,14 +304,57 @@ class ReplayedMicrobatches:
             captured = self._capture(key, leaves, spec, weight)
         if captured is None:
             return self._eager(model, part, weight)
+        if not captured.verified:
+            return self._verified_replay(key, captured, model, part, leaves, weight)
         self._clean = False
+        return self._replay(captured, leaves, weight)
+
+    # ------------------------------------------------------------------------------- helpers
+    def _replay(self, captured: _Captured, leaves: list[Any], weight: float) -> torch.Tensor:
         for buffer, leaf in zip(captured.inputs, _tensors(leaves), strict=True):
             buffer.copy_(leaf)
         self._fill(weight)
         # A copy: the next replay (of any shape: the graphs share one pool) overwrites the output.
         return captured.replay.replay().clone()
 
-    # ------------------------------------------------------------------------------- helpers
+    def _verified_replay(
+        self, key: tuple, captured: _Captured, model: nn.Module, part: Any, leaves: list[Any], weight: float
+    ) -> torch.Tensor:
+        """A new capture's first replay, checked against an eager run of the same microbatch from the
+        same state (every gradient is zero here: a capture is made at a clean point). The eager run
+        draws the random numbers the replay then draws; if they differ the eager results are kept."""
+        params, buffers = self._params, _buffers(self.model)
+        with torch.no_grad():
+            saved = [buffer.clone() for _, _, buffer in buffers]
+        with _forked_rng(self.device):
+            eager_loss = self.eager.forward_backward(model, part, weight)
+        with torch.no_grad():
+            eager_state = [p.grad.clone() for p in params] + [buffer.clone() for _, _, buffer in buffers]
+            for (_, _, buffer), copy in zip(buffers, saved, strict=True):
+                buffer.copy_(copy)
+            torch._foreach_zero_([p.grad for p in params])
+        del saved
+        self._clean = False
+        loss = self._replay(captured, leaves, weight)
+        state = [p.grad for p in params] + [buffer for _, _, buffer in buffers]
+        difference = _difference([eager_loss, *eager_state], [loss, *state], self._deterministic())
+        if difference is None:
+            captured.verified = True
+            return loss
+        with torch.no_grad():  # the microbatch as eager mode computed it
+            for target, value in zip(state, eager_state, strict=True):
+                target.copy_(value)
+        del self.graphs[key]
+        self.refused[key] = f"its replay differs from eager mode ({difference})"
+        log.warning(
+            "trainer.cuda_graphs: a captured microbatch shape does not replay as it runs eagerly (%s): it runs "
+            "eagerly from now on", difference,
+        )
+        return eager_loss
+
+    def _deterministic(self) -> bool:
+        return self.device.type != "cuda" or torch.are_deterministic_algorithms_enabled()
+
     def _eager(self, model: nn.Module, part: Any, weight: float) -> torch.Tensor:
         self._clean = False
         return self.eager.forward_backward(model, part, weight)
@@ -352,7 +429,7 @@ class ReplayedMicrobatches:
         buffers = _buffers(self.model)
         saved = [buffer.clone() for _, _, buffer in buffers]
         grad_versions = [p.grad._version for p in params]
-        replay, unused, problem = None, [], None
+        replay, unused, problem, fatal = None, [], None, False
         try:
             with _forked_rng(self.device):
                 self.backend.warm_up(call, WARM_UP_PASSES)
@@ -361,6 +438,7 @@ class ReplayedMicrobatches:
                     replay = self.backend.capture(call)
         except Exception as error:  # whatever a capture raises, the microbatch runs eagerly
             problem = _describe(error)
+            fatal = _cuda_level(error)
         finally:
             with torch.no_grad():
                 for (_, _, buffer), copy in zip(buffers, saved, strict=True):
@@ -373,6 +451,9 @@ class ReplayedMicrobatches:
                 f"{len(unused)} parameter(s) get no gradient (e.g. {names.get(id(unused[0]), '?')}); "
                 "replaying would need their gradients zeroed, which changes their update"
             )
+            return None
+        if fatal:
+            self._turn_eager(f"a capture failed on the device ({problem}); no further capture in this run")
             return None
         if problem is None:
             problem = _buffer_replaced(buffers)
@@ -417,6 +498,21 @@ class ReplayedMicrobatches:
 def _describe(error: Exception) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def _difference(expected: list[torch.Tensor], got: list[torch.Tensor], exact: bool) -> str | None:
+    """Where ``got`` differs from ``expected`` (bit for bit if ``exact``, else beyond
+    ``VERIFY_TOLERANCE`` of each tensor's largest magnitude), or None."""
+    for index, (a, b) in enumerate(zip(expected, got, strict=True)):
+        if torch.equal(a, b):
+            continue
+        if not exact and a.is_floating_point():
+            scale = float(a.abs().max()) if a.numel() else 0.0
+            if float((a.float() - b.float()).abs().max()) <= VERIFY_TOLERANCE * scale:
+                continue
+        what = "the loss" if index == 0 else f"tensor {index} of the gradients and buffers"
+        return f"{what}: largest difference {float((a.double() - b.double()).abs().max()):.3g}"
+    return None
 
 
 def _tensors(leaves: list[Any]) -> list[torch.Tensor]:
