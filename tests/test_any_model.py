@@ -315,7 +315,7 @@ def test_the_accounting_agrees_with_an_independent_count_of_saved_tensors(name):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in state:
             saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        return tensor.detach()  # not the tensor itself: an output saving itself would leak a cycle
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss(model, batch)
