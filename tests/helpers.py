@@ -93,3 +93,15 @@ def classification_loss(model, batch):
 
     images, labels = batch
     return F.cross_entropy(model(images), labels)
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as a module (scripts are not a package)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

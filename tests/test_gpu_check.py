@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 import torch
 
-from tests.helpers import ROOT
+from tests.helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check")
 
 
 def test_without_cuda_it_says_so_and_exits_0(gpu_check, capsys, monkeypatch):

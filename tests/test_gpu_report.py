@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 import torch
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def gpu_report():
-    spec = importlib.util.spec_from_file_location("gpu_report", ROOT / "scripts" / "gpu_report.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_report"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_report")
 
 
 def test_the_report_is_written_with_every_part_and_its_provenance(gpu_report, tmp_path, monkeypatch):
