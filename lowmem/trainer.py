@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lowmem import distributed
+from lowmem import distributed, kernels
 from lowmem.cli_errors import RunRefused
 from lowmem.config import ConfigError, microbatch_mode, name_list, validate
 from lowmem.libraries import configure_libraries
@@ -385,10 +385,29 @@ class Trainer:
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             },
             "config": OmegaConf.to_container(self.config, resolve=True),
+            "optimizer_kernels": self.optimizer_kernels(),
         }
+
+    def optimizer_kernels(self) -> str:
+        """What computes this run's 16-bit optimizer updates: "cpu" (the C kernel), "triton" or
+        "torch" (the fallback); "torch" too for FP32/FP64/amp weights (torch's own updates)."""
+        if self.policy.param_dtype not in (torch.float16, torch.bfloat16):
+            return "torch"
+        return kernels.backend(self.device)
 
     def load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_resumable(checkpoint.get("config", {}), OmegaConf.to_container(self.config, resolve=True))
+        theirs, mine = checkpoint.get("optimizer_kernels"), self.optimizer_kernels()
+        # The CPU paths give the same bits (tests/test_optimizers.py); Triton and the torch fallback
+        # may differ in the last bit, so a resume across them is said, not hidden.
+        if theirs is not None and theirs != mine and "triton" in (theirs, mine):
+            log.warning(
+                "trainer.resume: the checkpoint's 16-bit optimizer updates ran on %s, this run's run on %s: the "
+                "resumed run may differ from an uninterrupted one in the last bits (LOWMEM_KERNELS=torch "
+                "chooses the fallback)",
+                theirs,
+                mine,
+            )
         if (checkpoint["sparsity"] is None) != (self.sparsity is None):
             raise ConfigError("trainer.resume: the checkpoint's sparsity.density differs from this run's")
         # Sparsity first: compact storage lays the weights out for the checkpoint's active counts,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -159,3 +160,17 @@ def test_an_interrupted_run_is_continued_when_rerun(tmp_path):
     full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
     rerun = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert all(torch.equal(full[k], rerun[k]) for k in full)
+
+
+def test_a_checkpoint_records_its_optimizer_kernels_and_a_resume_across_triton_says_so(caplog):
+    from lowmem.trainer import build_trainer
+
+    trainer = build_trainer(make_config(*TINY_WRN, "precision=bf16", "trainer.device=cpu"))
+    state = trainer.checkpoint_state()
+    assert state["optimizer_kernels"] in ("cpu", "torch")  # the C kernel, or the fallback without a compiler
+    trainer.load_checkpoint(state)  # the same path: nothing said
+    assert "optimizer updates ran on" not in caplog.text
+    state["optimizer_kernels"] = "triton"
+    with caplog.at_level(logging.WARNING, logger="lowmem"):
+        trainer.load_checkpoint(state)
+    assert "optimizer updates ran on triton" in caplog.text
