@@ -49,6 +49,7 @@ from lowmem.techniques.targets import default_sparse_weights
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 RECIPE_NAME = "python"  # cfg.recipe of a run prepared from Python (no recipe group)
+REPORT_UPDATES = 50_000  # the DynamicConv run DC_SCHEDULE's update counts are stated for
 # Knobs that belong to the command line's recipes and runs, not to a loop of the user's own.
 _NOT_FOR_LOOPS = ("recipe", "data", "logger", "hydra", "plan", "data.name", "data.root", "trainer.resume")
 
@@ -117,7 +118,7 @@ class LoopTask:
 
     def rewire_schedule(self, cfg: Any, run_epochs: float) -> RewireSchedule:
         # The report's update-counted schedule, its phases scaled to the run's updates when known.
-        scale = (cfg.trainer.max_steps or DC_SCHEDULE.stop / 0.95) / (DC_SCHEDULE.stop / 0.95)
+        scale = (cfg.trainer.max_steps or REPORT_UPDATES) / REPORT_UPDATES
         return RewireSchedule(
             starts=tuple(s * scale for s in DC_SCHEDULE.starts),
             periods=DC_SCHEDULE.periods,
@@ -178,8 +179,16 @@ def loop_config(overrides: Sequence[str], examples: int) -> DictConfig:
                 f"overrides: {knob} belongs to the command line's recipes and runs, not to lowmem.prepare "
                 "(it takes optim.*, sparsity.*, precision, microbatch.*, checkpointing.*, trainer.* knobs)"
             )
-    defaults = ["optim.schedule=constant", f"data.batch_size={examples}", f"data.eval_batch_size={examples}"]
-    cfg = compose_config(*defaults, *overrides)
+    return as_loop_config(compose_config(*loop_defaults(examples), *overrides))
+
+
+def loop_defaults(examples: int) -> list[str]:
+    """The knobs a loop of the user's own sets before the user's: no epochs, one example batch."""
+    return ["optim.schedule=constant", f"data.batch_size={examples}", f"data.eval_batch_size={examples}"]
+
+
+def as_loop_config(cfg: DictConfig) -> DictConfig:
+    """``cfg`` (composed without a recipe) marked as a loop's, and validated."""
     with open_dict(cfg):
         cfg.recipe = RECIPE_NAME
         cfg.data.name = "batches"
@@ -308,11 +317,6 @@ def plan(
     loop_config(overrides, examples)  # the overrides are checked before any search
 
     def build(cfg: DictConfig) -> Any:
-        with open_dict(cfg):
-            cfg.recipe = RECIPE_NAME
-            cfg.data.name = "batches"
-        validate(cfg)
-        return _build(cfg, copy.deepcopy(model), task, example_batch)
+        return _build(as_loop_config(cfg), copy.deepcopy(model), task, example_batch)
 
-    defaults = ["optim.schedule=constant", f"data.batch_size={examples}", f"data.eval_batch_size={examples}"]
-    return plan_search([*defaults, *overrides], budget_mb, top=top, build=build, echo=False)
+    return plan_search([*loop_defaults(examples), *overrides], budget_mb, top=top, build=build, echo=False)
