@@ -54,6 +54,8 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.98)
     eps: float = 1e-8
     weight_decay: float = 5e-4
+    state_bits: int | None = None  # momentum / Adam moments: 32 | 16 | 8 | 4 bits (None: the precision's width)
+    state_block_size: int = 128  # 8- and 4-bit state: elements per quantization block (one FP32 scale each)
     schedule: str = "multistep"  # multistep | inverse_sqrt | constant
     milestones: list[int] = field(default_factory=lambda: [60, 120, 160])  # epochs (multistep)
     gamma: float = 0.2  # multistep factor
@@ -170,6 +172,41 @@ def _require(condition: bool, knob: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{knob}={value!r} is not allowed: {allowed}")
 
 
+QUANTIZED_STATE_BITS = (8, 4)
+STATE_BLOCK_SIZES = tuple(2**k for k in range(4, 13))  # 16 .. 4096
+
+
+def state_width(precision: str) -> int:
+    """The bits of optimizer state a precision keeps by default: its weights' width."""
+    return {"fp16": 16, "bf16": 16, "fp64": 64}.get(precision, 32)
+
+
+def _validate_state_bits(cfg: DictConfig | Config) -> None:
+    """``optim.state_bits``: the precision's own width, or 8 / 4 (blockwise quantized state)."""
+    bits, precision = cfg.optim.state_bits, cfg.precision.name
+    width = state_width(precision)
+    allowed = (width, *QUANTIZED_STATE_BITS) if width != 64 else (64,)
+    _require(
+        bits is None or bits in allowed,
+        "optim.state_bits",
+        bits,
+        f"with precision={precision} one of {', '.join(map(str, allowed))} or null (the precision's width, "
+        f"{width}); 16-bit state goes with 16-bit weights (fp16, bf16), 32-bit with fp32 and amp",
+    )
+    _require(
+        cfg.optim.state_block_size in STATE_BLOCK_SIZES,
+        "optim.state_block_size",
+        cfg.optim.state_block_size,
+        f"a power of two from {STATE_BLOCK_SIZES[0]} to {STATE_BLOCK_SIZES[-1]}",
+    )
+
+
+def effective_state_bits(cfg: DictConfig | Config) -> int:
+    """The optimizer state's bits: ``optim.state_bits``, or the precision's width when it is null."""
+    bits = cfg.optim.state_bits
+    return state_width(cfg.precision.name) if bits is None else int(bits)
+
+
 def evaluation_batch_size(cfg: DictConfig | Config) -> int:
     """Examples (tokens) per evaluation batch: ``data.eval_batch_size``, but no more than a training
     microbatch when microbatching is on, so that evaluation never needs more memory than training."""
@@ -273,6 +310,7 @@ def validate(cfg: DictConfig | Config) -> None:
         cfg.optim.lr_mult,
         "must be > 0 or null (the recipe's table default)",
     )
+    _validate_state_bits(cfg)
     _require(
         cfg.optim.schedule in ("multistep", "inverse_sqrt", "constant"),
         "optim.schedule",

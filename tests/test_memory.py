@@ -48,18 +48,18 @@ def test_csr_bytes_of_a_sparse_conv_by_hand():
     sgd = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9)
     # The gradient and the momentum share the weight's indices: values only.
     sparse = {"weight": (conv.weight.shape, int(mask.sum()))}
-    assert account_state(conv, sgd, sparse) == (10 * F32 + 27, 10 * F32 * 2)
+    assert account_state(conv, sgd, sparse) == (10 * F32 + 27, 10 * F32 * 2, 10 * F32)
     adam = torch.optim.Adam(conv.parameters())
     assert account_state(conv, adam, sparse).optimizer_bytes == 10 * F32 * 3
-    assert account_state(conv, sgd) == (108 * F32, 108 * F32 * 2)
-    assert account_state(conv, None) == (108 * F32, 108 * F32)  # no optimizer: gradients only
+    assert account_state(conv, sgd) == (108 * F32, 108 * F32 * 2, 108 * F32)
+    assert account_state(conv, None) == (108 * F32, 108 * F32, 0)  # no optimizer: gradients only
     with pytest.raises(KeyError, match="conv1.weight"):
         account_state(conv, sgd, {"conv1.weight": sparse["weight"]})
     # Compact storage: the parameter holds the 10 values only; the same bytes.
     compact = nn.Module()
     compact.weight_values = nn.Parameter(torch.zeros(10))
     sgd = torch.optim.SGD(compact.parameters(), lr=0.1, momentum=0.9)
-    assert account_state(compact, sgd, {"weight_values": sparse["weight"]}) == (10 * F32 + 27, 10 * F32 * 2)
+    assert account_state(compact, sgd, {"weight_values": sparse["weight"]}) == (10 * F32 + 27, 10 * F32 * 2, 10 * F32)
 
 
 @pytest.mark.parametrize("make_optimizer", [

@@ -14,7 +14,7 @@ microbatches, train_step)``; both return a ``MemoryReport``. The parts, each usa
 from lowmem.profiler.activations import ActivationTrace, ActivationTracer, account_activations
 from lowmem.profiler.peak import AllocationTracker, PeakMeasurement, count_flops, measure_peak, track_peak
 from lowmem.profiler.report import MB, MemoryReport, Microbatch, profile_step
-from lowmem.profiler.state import StateBytes, account_state, csr_index_bytes
+from lowmem.profiler.state import StateBytes, account_state, csr_index_bytes, quantized_state_bytes
 from lowmem.profiler.step import batch_shapes, profile_row, profile_trainer
 
 __all__ = [
@@ -35,5 +35,6 @@ __all__ = [
     "profile_row",
     "profile_step",
     "profile_trainer",
+    "quantized_state_bytes",
     "track_peak",
 ]

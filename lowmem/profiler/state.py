@@ -8,6 +8,9 @@
 - optimizer bytes: one gradient buffer per trainable parameter plus its momentum buffers
   (SGD with momentum: 1, Adam: 2). For a sparse weight they hold only the nonzero values: they share
   the weight's index arrays (DSR resets momentum at inactive positions, report §3.1).
+- optimizer state bytes: the momentum buffers alone (part of the optimizer bytes). 8- and 4-bit
+  state (``optim.state_bits``) counts its codes, ⌈n · bits / 8⌉ bytes for n values, plus one FP32
+  scale per block of ``optim.state_block_size`` values (``quantized_state_bytes``).
 
 Buffers (BatchNorm running statistics) and scalar optimizer bookkeeping (step counts, per-tensor
 scales) are not counted: the report counts parameters and parameter-shaped buffers only.
@@ -33,6 +36,16 @@ class StateBytes(NamedTuple):
 
     model_bytes: int  # parameters: values, plus CSR indices of sparse weights
     optimizer_bytes: int  # gradient buffers + momentum buffers (values only for sparse weights)
+    optimizer_state_bytes: int = 0  # the momentum buffers alone (codes + scales when quantized)
+
+
+SCALE_BYTES = 4  # one FP32 scale (the block's largest magnitude) per quantization block
+
+
+def quantized_state_bytes(values: int, bits: int, block_size: int) -> int:
+    """Bytes of one state tensor of ``values`` entries at ``bits`` (8 or 4) per entry, blocks of
+    ``block_size`` entries: the packed codes plus one FP32 scale per block."""
+    return math.ceil(values * bits / 8) + SCALE_BYTES * math.ceil(values / block_size)
 
 
 def csr_index_bytes(shape: torch.Size | tuple[int, ...], nonzeros: int) -> int:
@@ -58,6 +71,28 @@ def momentum_buffers(optimizer: torch.optim.Optimizer | None) -> int:
     return 1 if optimizer.defaults.get("momentum", 0) else 0
 
 
+def _state_entry_bytes(
+    optimizer: torch.optim.Optimizer | None, param: torch.Tensor, values: int, state_bits: int | None,
+    block_size: int | None,
+) -> int:
+    """Bytes of ``param``'s momentum buffers when they hold ``values`` entries (its nonzeros)."""
+    if state_bits is None:  # the optimizer's own layout
+        state_bits = getattr(optimizer, "state_bits", None)
+        block_size = getattr(optimizer, "block_size", block_size)
+        if state_bits not in (8, 4):
+            buffers = _state_buffers(optimizer, param)
+            sizes = (
+                [b.element_size() for b in buffers]
+                if buffers is not None
+                else [param.element_size()] * momentum_buffers(optimizer)
+            )
+            return values * sum(sizes)
+    count = momentum_buffers(optimizer)
+    if state_bits in (8, 4):
+        return count * quantized_state_bytes(values, state_bits, block_size or 128)
+    return count * values * state_bits // 8
+
+
 def _state_buffers(optimizer: torch.optim.Optimizer | None, param: torch.Tensor) -> list[torch.Tensor] | None:
     """The optimizer's parameter-shaped state tensors of ``param``; None before its first step."""
     if optimizer is None or param not in optimizer.state or not optimizer.state[param]:
@@ -71,6 +106,8 @@ def account_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     sparse: Mapping[str, tuple[Sequence[int], int]] | None = None,
+    state_bits: int | None = None,
+    state_block_size: int | None = None,
 ) -> StateBytes:
     """Model and optimizer bytes of ``model`` trained with ``optimizer``.
 
@@ -80,14 +117,17 @@ def account_state(
         parameter holds the dense weight (masked storage) or the active values only (compact).
     optimizer: its existing state tensors are counted in their own dtype; before the optimizer's
         first step (no state yet) the momentum buffers are counted by the optimizer's kind
-        (``momentum_buffers``) in the parameter's dtype. None: gradients only.
+        (``momentum_buffers``) in the parameter's dtype. None: gradients only. 8- and 4-bit state
+        (the optimizer's ``state_bits``) is counted as ``quantized_state_bytes`` of the nonzeros.
+    state_bits, state_block_size: count the optimizer's momentum buffers at this width instead of
+        their own (the planner's what-if: ``optim.state_bits`` without building an optimizer).
     """
     sparse = dict(sparse or {})
     params = dict(model.named_parameters())
     unknown = sorted(set(sparse) - set(params))
     if unknown:
         raise KeyError(f"sparse weights that {type(model).__name__} does not have: {', '.join(unknown)}")
-    model_bytes = optimizer_bytes = 0
+    model_bytes = optimizer_bytes = state_bytes = 0
     for name, param in params.items():
         shape, nonzeros = sparse.get(name, (param.shape, param.numel()))
         model_bytes += nonzeros * param.element_size()
@@ -96,11 +136,7 @@ def account_state(
         if not param.requires_grad:
             continue
         grad_size = param.grad.element_size() if param.grad is not None else param.element_size()
-        buffers = _state_buffers(optimizer, param)
-        buffer_sizes = (
-            [b.element_size() for b in buffers]
-            if buffers is not None
-            else [param.element_size()] * momentum_buffers(optimizer)
-        )
-        optimizer_bytes += nonzeros * (grad_size + sum(buffer_sizes))
-    return StateBytes(model_bytes, optimizer_bytes)
+        held = _state_entry_bytes(optimizer, param, nonzeros, state_bits, state_block_size)
+        optimizer_bytes += nonzeros * grad_size + held
+        state_bytes += held
+    return StateBytes(model_bytes, optimizer_bytes, state_bytes)

@@ -148,7 +148,13 @@ def sample_inactive(mask: torch.Tensor, count: int, generator: torch.Generator) 
 
 def reset_optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, where: torch.Tensor) -> None:
     """Zero, at the positions ``where`` is True, every tensor of ``optimizer.state[param]`` shaped like
-    ``param`` (SGD's momentum buffer, Adam's two moments, FP16 moments of custom optimizers)."""
+    ``param`` (SGD's momentum buffer, Adam's two moments, FP16 moments of custom optimizers).
+
+    An optimizer whose state is not shaped like its parameters (lowmem's 8- and 4-bit state:
+    codes and per-block scales) resets it itself: ``optimizer.reset_state(param, where)``."""
+    if hasattr(optimizer, "reset_state"):
+        optimizer.reset_state(param, where)
+        return
     for value in optimizer.state.get(param, {}).values():
         if isinstance(value, torch.Tensor) and value.shape == param.shape:
             value.masked_fill_(where.to(value.device), 0)
@@ -159,7 +165,13 @@ def remap_optimizer_state(
 ) -> None:
     """Compact storage's rewiring: every state tensor of ``param`` shaped like it (1-D, its old active
     count) becomes a new tensor of ``size`` entries holding the old entries ``kept_from`` at
-    ``kept_to`` and zeros elsewhere (regrown entries start with no momentum)."""
+    ``kept_to`` and zeros elsewhere (regrown entries start with no momentum).
+
+    An optimizer with state of another shape (8- and 4-bit state) moves it itself:
+    ``optimizer.remap_state(param, kept_from, kept_to, size)``."""
+    if hasattr(optimizer, "remap_state"):
+        optimizer.remap_state(param, kept_from, kept_to, size)
+        return
     state = optimizer.state.get(param, {})
     for key, value in list(state.items()):
         if isinstance(value, torch.Tensor) and value.shape == param.shape:
