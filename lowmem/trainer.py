@@ -175,7 +175,7 @@ class Trainer:
         """Accounted bytes (model, optimizer, activations, total) and FLOPs of one minibatch."""
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             report = profile_trainer(self, measure=False).to_json()
-        keys = ("model_bytes", "optimizer_bytes", "activation_bytes", "total_bytes", "flops")
+        keys = ("model_bytes", "optimizer_bytes", "optimizer_state_bytes", "activation_bytes", "total_bytes", "flops")
         return {key: report[key] for key in keys}
 
     def example_batch(self) -> Any:
@@ -530,6 +530,10 @@ class PeakTracker:
 
 
 def _build_optimizer(optim_cfg, params: list[nn.Parameter], lr: float, policy: PrecisionPolicy):
+    # optim.state_bits 8 or 4: blockwise-quantized state; otherwise (null, or the precision's own
+    # width, which validation allows alone) state in the weights' dtype.
+    bits = getattr(optim_cfg, "state_bits", None)
+    quantized = {"state_bits": bits, "block_size": optim_cfg.state_block_size} if bits in (8, 4) else {}
     if optim_cfg.name == "sgd":
         return LowPrecisionSGD(
             params,
@@ -538,6 +542,7 @@ def _build_optimizer(optim_cfg, params: list[nn.Parameter], lr: float, policy: P
             nesterov=optim_cfg.nesterov,
             weight_decay=optim_cfg.weight_decay,
             stochastic_rounding=policy.stochastic_rounding,
+            **quantized,
         )
     return LowPrecisionAdam(
         params,
@@ -546,6 +551,7 @@ def _build_optimizer(optim_cfg, params: list[nn.Parameter], lr: float, policy: P
         eps=optim_cfg.eps,
         weight_decay=optim_cfg.weight_decay,
         stochastic_rounding=policy.stochastic_rounding,
+        **quantized,
     )
 
 

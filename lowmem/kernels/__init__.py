@@ -12,6 +12,10 @@ Where the update runs:
 
 Both fused paths are registered as torch operators, so profilers and dispatch modes see each update
 as the single operation it is.
+
+``sgd_quantized`` and ``adam_quantized`` are the same updates with 8- or 4-bit blockwise-quantized
+state (``quantized.py``) for FP32, FP16 or BF16 weights, on the same three backends
+(``lowmem::sgd_q_`` / ``lowmem::adam_q_``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lowmem.kernels import cpu, reference
+from lowmem.kernels import cpu, quantized, reference
 
 BACKENDS = ("auto", "torch")
 
@@ -145,6 +149,110 @@ def adam(
     torch.ops.lowmem.adam16_(
         list(weights), list(grads), list(exp_avgs), list(exp_avg_sqs), [m for m, _ in log2_scales],
         [v for _, v in log2_scales], list(step_sizes), list(keys or []), beta1, beta2, eps,
+        1.0 if decay is None else decay, decay is not None, grad_scale, keys is not None,
+    )
+
+
+@torch.library.custom_op("lowmem::sgd_q_", mutates_args=("weights", "codes", "scales"))
+def _sgd_q(
+    weights: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    codes: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    keys: list[int],
+    bits: int,
+    block_size: int,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    grad_scale: float,
+    stochastic: bool,
+) -> None:
+    native = _native(weights[0].device)
+    native.sgd_quantized(
+        weights, grads, list(zip(codes, scales, strict=True)), keys if stochastic else None, bits=bits,
+        block_size=block_size, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+        grad_scale=grad_scale,
+    )
+
+
+@torch.library.custom_op("lowmem::adam_q_", mutates_args=("weights", "m_codes", "m_scales", "v_codes", "v_scales"))
+def _adam_q(
+    weights: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    m_codes: list[torch.Tensor],
+    m_scales: list[torch.Tensor],
+    v_codes: list[torch.Tensor],
+    v_scales: list[torch.Tensor],
+    step_sizes: list[float],
+    keys: list[int],
+    bits: int,
+    block_size: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    decay: float,
+    decays: bool,
+    grad_scale: float,
+    stochastic: bool,
+) -> None:
+    _native(weights[0].device).adam_quantized(
+        weights, grads, list(zip(m_codes, m_scales, strict=True)), list(zip(v_codes, v_scales, strict=True)),
+        step_sizes, keys if stochastic else None, bits=bits, block_size=block_size, beta1=beta1, beta2=beta2,
+        eps=eps, decay=decay if decays else None, grad_scale=grad_scale,
+    )
+
+
+def sgd_quantized(
+    weights: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momenta: Sequence[quantized.QState],
+    keys: Sequence[int] | None,
+    *,
+    bits: int,
+    block_size: int,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    grad_scale: float,
+) -> None:
+    """SGD with quantized momentum (``quantized.sgd``) over tensors of one dtype on one device, in place."""
+    if backend(weights[0].device) == "torch" or not _all_contiguous(weights, grads):
+        quantized.sgd(weights, grads, momenta, keys, bits=bits, block_size=block_size, lr=lr, momentum=momentum,
+                      nesterov=nesterov, weight_decay=weight_decay, grad_scale=grad_scale)
+        return
+    torch.ops.lowmem.sgd_q_(
+        list(weights), list(grads), [c for c, _ in momenta], [s for _, s in momenta], list(keys or []), bits,
+        block_size, lr, momentum, nesterov, weight_decay, grad_scale, keys is not None,
+    )
+
+
+def adam_quantized(
+    weights: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[quantized.QState],
+    exp_avg_sqs: Sequence[quantized.QState],
+    step_sizes: Sequence[float],
+    keys: Sequence[int] | None,
+    *,
+    bits: int,
+    block_size: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    decay: float | None,
+    grad_scale: float,
+) -> None:
+    """Adam with quantized moments (``quantized.adam``) over tensors of one dtype on one device, in place."""
+    if backend(weights[0].device) == "torch" or not _all_contiguous(weights, grads):
+        quantized.adam(weights, grads, exp_avgs, exp_avg_sqs, step_sizes, keys, bits=bits, block_size=block_size,
+                       beta1=beta1, beta2=beta2, eps=eps, decay=decay, grad_scale=grad_scale)
+        return
+    torch.ops.lowmem.adam_q_(
+        list(weights), list(grads), [c for c, _ in exp_avgs], [s for _, s in exp_avgs], [c for c, _ in exp_avg_sqs],
+        [s for _, s in exp_avg_sqs], list(step_sizes), list(keys or []), bits, block_size, beta1, beta2, eps,
         1.0 if decay is None else decay, decay is not None, grad_scale, keys is not None,
     )
 

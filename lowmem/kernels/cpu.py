@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from lowmem.kernels import codebooks
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lowmem_kernels.c")
@@ -58,7 +60,14 @@ _SIGNATURES = {
     "lowmem_adam": [_i64, _P64, _P64, _P64, _P64, _P64, _P64, _P64, _PF32, _PF32, _PU32, _i32, _f32, _f32, _f32,
                     _f32, _f32, _i32, _f32, _f32, _i32],
 }
-DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
+_ptr = ctypes.c_void_p
+_SIGNATURES |= {
+    "lowmem_sgd_q": [_i64, _P64, _P64, _P64, _P64, _P64, _PU32, _i32, _i32, _i64, _ptr, _ptr, _f32, _f32, _i32,
+                     _f32, _f32, _i32],
+    "lowmem_adam_q": [_i64, _P64, _P64, _P64, _P64, _P64, _P64, _P64, _PF32, _PU32, _i32, _i32, _i64, _ptr, _ptr,
+                      _ptr, _ptr, _f32, _f32, _f32, _f32, _f32, _i32, _f32, _f32, _i32],
+}
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
 def cache_dir() -> Path:
@@ -277,6 +286,78 @@ def adam(
             (ctypes.c_uint32 * n)(*(keys[i] if keys else 0 for i in shard)),
             code, beta1, beta2, 1 - beta1, 1 - beta2, eps, int(decay is not None),
             1.0 if decay is None else decay, grad_scale, int(keys is not None),
+        )
+
+    _run(call, sizes)
+
+
+def sgd_quantized(
+    weights: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momenta: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    keys: Sequence[int] | None,
+    *,
+    bits: int,
+    block_size: int,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    grad_scale: float,
+) -> None:
+    """``quantized.sgd`` with the C kernel (contiguous CPU tensors; weights FP32, FP16 or BF16)."""
+    lib, code = library(), DTYPE_CODES[weights[0].dtype]
+    table, mids = codebooks.tables(bits, True, torch.device("cpu"))
+    sizes = [w.numel() for w in weights]
+
+    def call(shard: list[int]) -> None:
+        n = len(shard)
+        lib.lowmem_sgd_q(
+            n, _addresses([weights[i] for i in shard]), _addresses([grads[i] for i in shard]),
+            _addresses([momenta[i][0] for i in shard]), _addresses([momenta[i][1] for i in shard]),
+            (ctypes.c_int64 * n)(*(sizes[i] for i in shard)),
+            (ctypes.c_uint32 * n)(*(keys[i] if keys else 0 for i in shard)),
+            code, bits, block_size, table.data_ptr(), mids.data_ptr(), lr, momentum, int(nesterov), weight_decay,
+            grad_scale, int(keys is not None),
+        )
+
+    _run(call, sizes)
+
+
+def adam_quantized(
+    weights: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    exp_avg_sqs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    step_sizes: Sequence[float],
+    keys: Sequence[int] | None,
+    *,
+    bits: int,
+    block_size: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    decay: float | None,
+    grad_scale: float,
+) -> None:
+    """``quantized.adam`` with the C kernel (contiguous CPU tensors; weights FP32, FP16 or BF16)."""
+    lib, code = library(), DTYPE_CODES[weights[0].dtype]
+    m_table, m_mids = codebooks.tables(bits, True, torch.device("cpu"))
+    v_table, v_mids = codebooks.tables(bits, False, torch.device("cpu"))
+    sizes = [w.numel() for w in weights]
+
+    def call(shard: list[int]) -> None:
+        n = len(shard)
+        lib.lowmem_adam_q(
+            n, _addresses([weights[i] for i in shard]), _addresses([grads[i] for i in shard]),
+            _addresses([exp_avgs[i][0] for i in shard]), _addresses([exp_avgs[i][1] for i in shard]),
+            _addresses([exp_avg_sqs[i][0] for i in shard]), _addresses([exp_avg_sqs[i][1] for i in shard]),
+            (ctypes.c_int64 * n)(*(sizes[i] for i in shard)),
+            (ctypes.c_float * n)(*(step_sizes[i] for i in shard)),
+            (ctypes.c_uint32 * n)(*(keys[i] if keys else 0 for i in shard)),
+            code, bits, block_size, m_table.data_ptr(), m_mids.data_ptr(), v_table.data_ptr(), v_mids.data_ptr(),
+            beta1, beta2, 1 - beta1, 1 - beta2, eps, int(decay is not None), 1.0 if decay is None else decay,
+            grad_scale, int(keys is not None),
         )
 
     _run(call, sizes)

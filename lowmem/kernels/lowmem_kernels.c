@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { FP16 = 0, BF16 = 1 };
+enum { FP16 = 0, BF16 = 1, FP32 = 2 };
 
 static inline float bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -143,5 +143,115 @@ void lowmem_adam(int64_t count, const int64_t *weights, const int64_t *grads, co
         }
         *m_scale = scale_m;
         *v_scale = scale_v;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * 8- and 4-bit optimizer state (lowmem/kernels/quantized.py defines the arithmetic; codebooks.py
+ * the maps). State is blockwise quantized: per block of `block` values one FP32 scale (the block's
+ * largest magnitude) and per value the code of the nearest map entry of value / scale. Weights and
+ * gradients are FP32, FP16 or BF16. A block's new state is computed in FP32 into a stack buffer,
+ * the weights updated from it, then the block is quantized: no allocation.
+ */
+#define MAX_BLOCK 4096
+
+static inline float load_any(const void *p, int64_t i, int dtype) {
+    return dtype == FP32 ? ((const float *)p)[i] : load16((const uint16_t *)p, i, dtype);
+}
+
+static inline void store_any(void *p, int64_t i, float w, int stochastic, uint32_t key, int dtype) {
+    if (dtype == FP32) ((float *)p)[i] = w;
+    else ((uint16_t *)p)[i] = store_weight(w, stochastic, key, i, dtype);
+}
+
+static inline int read_code(const uint8_t *codes, int64_t i, int bits) {
+    return bits == 8 ? codes[i] : (codes[i >> 1] >> ((i & 1) * 4)) & 15;
+}
+
+/* The number of midpoints below x (a binary search over the 2^bits - 1 ascending midpoints). */
+static inline int find_code(float x, const float *mids, int bits) {
+    int code = 0;
+    for (int step = 1 << (bits - 1); step > 0; step >>= 1)
+        if (mids[code + step - 1] < x) code += step;
+    return code;
+}
+
+/* Quantize x[0 .. count) (values first .. first+count-1 of the state; first a multiple of the block
+ * size, so even) into codes and *scale. Unsigned maps: a positive value never takes code 0. */
+static void quantize_block(const float *x, int64_t count, int64_t first, uint8_t *codes, float *scale,
+                           const float *mids, int bits, int is_signed) {
+    float top = 0.0f;
+    for (int64_t i = 0; i < count; i++) top = fmaxf(top, fabsf(x[i]));
+    *scale = top;
+    int previous = 0;
+    for (int64_t i = 0; i < count; i++) {
+        int code = find_code(top > 0.0f ? x[i] / top : 0.0f, mids, bits);
+        if (!is_signed && code == 0 && x[i] > 0.0f) code = 1;
+        if (bits == 8) codes[first + i] = (uint8_t)code;
+        else if (i & 1) codes[(first + i) >> 1] = (uint8_t)(previous | (code << 4));
+        else previous = code;
+    }
+    if (bits == 4 && (count & 1)) codes[(first + count) >> 1] = (uint8_t)previous;
+}
+
+void lowmem_sgd_q(int64_t count, const int64_t *weights, const int64_t *grads, const int64_t *codes,
+                  const int64_t *scales, const int64_t *sizes, const uint32_t *keys, int dtype, int bits,
+                  int64_t block, const float *table, const float *mids, float lr, float momentum, int nesterov,
+                  float weight_decay, float grad_scale, int stochastic) {
+    float buffer[MAX_BLOCK];
+    for (int64_t t = 0; t < count; t++) {
+        void *w = (void *)weights[t];
+        const void *g = (const void *)grads[t];
+        uint8_t *c = (uint8_t *)codes[t];
+        float *s = (float *)scales[t];
+        for (int64_t first = 0; first < sizes[t]; first += block) {
+            int64_t length = sizes[t] - first < block ? sizes[t] - first : block;
+            float scale = s[first / block];
+            for (int64_t i = 0; i < length; i++) {
+                int64_t e = first + i;
+                float weight = load_any(w, e, dtype);
+                float grad = load_any(g, e, dtype) / grad_scale;
+                if (weight_decay != 0.0f) grad = grad + weight * weight_decay;
+                float b = table[read_code(c, e, bits)] * scale * momentum + grad;
+                float update = nesterov ? grad + b * momentum : b;
+                buffer[i] = b;
+                store_any(w, e, weight + update * -lr, stochastic, keys[t], dtype);
+            }
+            quantize_block(buffer, length, first, c, s + first / block, mids, bits, 1);
+        }
+    }
+}
+
+void lowmem_adam_q(int64_t count, const int64_t *weights, const int64_t *grads, const int64_t *m_codes,
+                   const int64_t *m_scales, const int64_t *v_codes, const int64_t *v_scales, const int64_t *sizes,
+                   const float *step_sizes, const uint32_t *keys, int dtype, int bits, int64_t block,
+                   const float *m_table, const float *m_mids, const float *v_table, const float *v_mids,
+                   float beta1, float beta2, float one_minus_beta1, float one_minus_beta2, float eps, int decays,
+                   float decay, float grad_scale, int stochastic) {
+    float m_buffer[MAX_BLOCK], v_buffer[MAX_BLOCK];
+    for (int64_t t = 0; t < count; t++) {
+        void *w = (void *)weights[t];
+        const void *g = (const void *)grads[t];
+        uint8_t *mc = (uint8_t *)m_codes[t], *vc = (uint8_t *)v_codes[t];
+        float *ms = (float *)m_scales[t], *vs = (float *)v_scales[t];
+        float step_size = step_sizes[t];
+        for (int64_t first = 0; first < sizes[t]; first += block) {
+            int64_t length = sizes[t] - first < block ? sizes[t] - first : block;
+            float m_scale = ms[first / block], v_scale = vs[first / block];
+            for (int64_t i = 0; i < length; i++) {
+                int64_t e = first + i;
+                float grad = load_any(g, e, dtype) / grad_scale;
+                float avg = m_table[read_code(mc, e, bits)] * m_scale * beta1 + grad * one_minus_beta1;
+                float avg_sq = v_table[read_code(vc, e, bits)] * v_scale * beta2 + one_minus_beta2 * grad * grad;
+                float weight = load_any(w, e, dtype);
+                if (decays) weight = weight * decay;
+                weight = weight + -step_size * (avg / (sqrtf(avg_sq) + eps));
+                m_buffer[i] = avg;
+                v_buffer[i] = avg_sq;
+                store_any(w, e, weight, stochastic, keys[t], dtype);
+            }
+            quantize_block(m_buffer, length, first, mc, ms + first / block, m_mids, bits, 1);
+            quantize_block(v_buffer, length, first, vc, vs + first / block, v_mids, bits, 0);
+        }
     }
 }

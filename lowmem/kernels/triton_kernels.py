@@ -5,7 +5,13 @@ tensors are reached through a table of addresses; each program updates one slice
 elements of one tensor. No multiply-add is fused (``enable_fp_fusion=False``) and division and
 square root are the correctly rounded ones: the operations of the C kernel and of the reference.
 
-Tested on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``: tests/test_optimizers.py).
+The same file holds the updates with 8- and 4-bit state (``quantized.py``'s arithmetic): a
+program updates whole quantization blocks, as two tiles of rows x half-blocks (the even and the odd
+elements, which share a byte at 4 bits), then takes each block's largest magnitude and writes the
+codes, found by the same binary search over the map's midpoints as the C kernel.
+
+Tested on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``: tests/test_optimizers.py,
+tests/test_quantized_state.py).
 """
 
 from __future__ import annotations
@@ -189,18 +195,21 @@ def _cached(slot: tuple, contents: tuple, make):
     return found[1]
 
 
-def _chunks(slot: tuple, sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per program: the tensor it updates and the first element of its slice (on ``device``)."""
+def _chunks(
+    slot: tuple, sizes: tuple[int, ...], device: torch.device, chunk: int = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per program: the tensor it updates and the first element of its slice of ``chunk`` elements
+    (on ``device``)."""
 
     def make() -> tuple[torch.Tensor, torch.Tensor]:
         tensor, start = [], []
         for index, size in enumerate(sizes):
-            for first in range(0, size, BLOCK):
+            for first in range(0, size, chunk):
                 tensor.append(index)
                 start.append(first)
         return torch.tensor(tensor, dtype=torch.int32).to(device), torch.tensor(start, dtype=torch.int64).to(device)
 
-    return _cached(("chunks", *slot), sizes, make)
+    return _cached(("chunks", *slot), (chunk, sizes), make)
 
 
 def _table(slot: tuple, rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
@@ -285,4 +294,242 @@ def adam(
         table, chunk_tensor, chunk_start, count, scratch, torch.tensor(step_sizes, dtype=torch.float32).to(device),
         *moments, eps, 1.0 if decay is None else decay, grad_scale, DECAY=decay is not None,
         STOCHASTIC=keys is not None, BF16=bf16, BLOCK=BLOCK, **_LAUNCH,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# 8- and 4-bit state (quantized.py). WEIGHTS: 0 FP16, 1 BF16, 2 FP32.
+QUANTIZED_CHUNK = 2048  # elements per program (whole blocks; one block if the block is larger)
+_WEIGHT_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+@triton.jit
+def _load_any(pointer, offsets, mask, WEIGHTS: tl.constexpr):
+    dtype = tl.float32 if WEIGHTS == 2 else (tl.bfloat16 if WEIGHTS == 1 else tl.float16)
+    return tl.load(pointer.to(tl.pointer_type(dtype)) + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_any(pointer, offsets, mask, value, key, STOCHASTIC: tl.constexpr, WEIGHTS: tl.constexpr):
+    if WEIGHTS == 2:
+        tl.store(pointer.to(tl.pointer_type(tl.float32)) + offsets, value, mask=mask)
+    else:
+        dtype = tl.bfloat16 if WEIGHTS == 1 else tl.float16
+        _store_weight(pointer.to(tl.pointer_type(dtype)), offsets, mask, value, key, STOCHASTIC, WEIGHTS == 1)
+
+
+@triton.jit
+def _read_codes(codes, offsets, mask, BITS: tl.constexpr):
+    if BITS == 8:
+        return tl.load(codes + offsets, mask=mask, other=0).to(tl.int32)
+    byte = tl.load(codes + (offsets >> 1), mask=mask, other=0).to(tl.int32)
+    return (byte >> ((offsets & 1) * 4).to(tl.int32)) & 15
+
+
+@triton.jit
+def _find_code(x, mids, BITS: tl.constexpr):
+    """The number of midpoints below x: a binary search, as the C kernel's."""
+    code = tl.zeros(x.shape, dtype=tl.int32)
+    for i in tl.static_range(BITS):
+        step: tl.constexpr = 1 << (BITS - 1 - i)
+        middle = tl.load(mids + code + (step - 1))
+        code = tl.where(middle < x, code + step, code)
+    return code
+
+
+@triton.jit
+def _quantize(x_even, x_odd, mask_even, mask_odd, even, codes, scales, block_index, block_mask, mids,
+              SIGNED: tl.constexpr, BITS: tl.constexpr):
+    top = tl.max(tl.maximum(tl.where(mask_even, tl.abs(x_even), 0.0), tl.where(mask_odd, tl.abs(x_odd), 0.0)),
+                 axis=1)
+    tl.store(scales + block_index, top, mask=block_mask)
+    top = top[:, None]
+    safe = tl.where(top > 0.0, top, 1.0)
+    code_even = _find_code(tl.where(top > 0.0, tl.div_rn(x_even, safe), 0.0), mids, BITS)
+    code_odd = _find_code(tl.where(top > 0.0, tl.div_rn(x_odd, safe), 0.0), mids, BITS)
+    if not SIGNED:  # an unsigned map's zero is an exact zero's code only
+        code_even = tl.where((x_even > 0.0) & (code_even == 0), 1, code_even)
+        code_odd = tl.where((x_odd > 0.0) & (code_odd == 0), 1, code_odd)
+    if BITS == 8:
+        tl.store(codes + even, code_even.to(tl.uint8), mask=mask_even)
+        tl.store(codes + even + 1, code_odd.to(tl.uint8), mask=mask_odd)
+    else:
+        byte = code_even | (tl.where(mask_odd, code_odd, 0) << 4)
+        tl.store(codes + (even >> 1), byte.to(tl.uint8), mask=mask_even)
+
+
+@triton.jit
+def _sgd_q_lane(table, count, t, offsets, mask, scale, m_map, lr, momentum, weight_decay, grad_scale, key,
+                NESTEROV: tl.constexpr, DECAY: tl.constexpr, STOCHASTIC: tl.constexpr, WEIGHTS: tl.constexpr,
+                BITS: tl.constexpr):
+    w_pointer = tl.load(table + t)
+    weight = _load_any(w_pointer, offsets, mask, WEIGHTS)
+    grad = tl.div_rn(_load_any(tl.load(table + count + t), offsets, mask, WEIGHTS), grad_scale)
+    if DECAY:
+        grad = grad + weight * weight_decay
+    codes = tl.load(table + 2 * count + t).to(tl.pointer_type(tl.uint8))
+    buffer = tl.load(m_map + _read_codes(codes, offsets, mask, BITS)) * scale * momentum + grad
+    if NESTEROV:
+        update = grad + buffer * momentum
+    else:
+        update = buffer
+    _store_any(w_pointer, offsets, mask, weight + update * -lr, key, STOCHASTIC, WEIGHTS)
+    return buffer
+
+
+@triton.jit
+def _sgd_q_kernel(table, chunk_tensor, chunk_start, count, m_map, m_mids, lr, momentum, weight_decay, grad_scale,
+                  NESTEROV: tl.constexpr, DECAY: tl.constexpr, STOCHASTIC: tl.constexpr, WEIGHTS: tl.constexpr,
+                  BITS: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr):
+    chunk = tl.program_id(0)
+    t = tl.load(chunk_tensor + chunk)
+    start = tl.load(chunk_start + chunk)
+    size = tl.load(table + 5 * count + t)
+    rows = tl.arange(0, ROWS)
+    even = start + rows[:, None] * QB + 2 * tl.arange(0, QB // 2)[None, :]
+    mask_even, mask_odd = even < size, even + 1 < size
+    block_index = start // QB + rows
+    block_mask = block_index * QB < size
+    scales = tl.load(table + 3 * count + t).to(tl.pointer_type(tl.float32))
+    scale = tl.load(scales + block_index, mask=block_mask, other=0.0)[:, None]
+    key = tl.load(table + 4 * count + t).to(tl.uint32)
+    b_even = _sgd_q_lane(table, count, t, even, mask_even, scale, m_map, lr, momentum, weight_decay, grad_scale,
+                         key, NESTEROV, DECAY, STOCHASTIC, WEIGHTS, BITS)
+    b_odd = _sgd_q_lane(table, count, t, even + 1, mask_odd, scale, m_map, lr, momentum, weight_decay, grad_scale,
+                        key, NESTEROV, DECAY, STOCHASTIC, WEIGHTS, BITS)
+    codes = tl.load(table + 2 * count + t).to(tl.pointer_type(tl.uint8))
+    _quantize(b_even, b_odd, mask_even, mask_odd, even, codes, scales, block_index, block_mask, m_mids, True, BITS)
+
+
+@triton.jit
+def _adam_q_lane(table, count, t, offsets, mask, m_scale, v_scale, m_map, v_map, step_size, beta1, beta2,
+                 one_minus_beta1, one_minus_beta2, eps, decay, grad_scale, key, DECAY: tl.constexpr,
+                 STOCHASTIC: tl.constexpr, WEIGHTS: tl.constexpr, BITS: tl.constexpr):
+    w_pointer = tl.load(table + t)
+    grad = tl.div_rn(_load_any(tl.load(table + count + t), offsets, mask, WEIGHTS), grad_scale)
+    m_codes = tl.load(table + 2 * count + t).to(tl.pointer_type(tl.uint8))
+    v_codes = tl.load(table + 4 * count + t).to(tl.pointer_type(tl.uint8))
+    avg = tl.load(m_map + _read_codes(m_codes, offsets, mask, BITS)) * m_scale * beta1 + grad * one_minus_beta1
+    avg_sq = (tl.load(v_map + _read_codes(v_codes, offsets, mask, BITS)) * v_scale * beta2
+              + one_minus_beta2 * grad * grad)
+    weight = _load_any(w_pointer, offsets, mask, WEIGHTS)
+    if DECAY:
+        weight = weight * decay
+    weight = weight + -step_size * tl.div_rn(avg, tl.sqrt_rn(avg_sq) + eps)
+    _store_any(w_pointer, offsets, mask, weight, key, STOCHASTIC, WEIGHTS)
+    return avg, avg_sq
+
+
+@triton.jit
+def _adam_q_kernel(table, chunk_tensor, chunk_start, count, step_sizes, m_map, m_mids, v_map, v_mids, beta1, beta2,
+                   one_minus_beta1, one_minus_beta2, eps, decay, grad_scale, DECAY: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, WEIGHTS: tl.constexpr, BITS: tl.constexpr, QB: tl.constexpr,
+                   ROWS: tl.constexpr):
+    chunk = tl.program_id(0)
+    t = tl.load(chunk_tensor + chunk)
+    start = tl.load(chunk_start + chunk)
+    size = tl.load(table + 6 * count + t)
+    rows = tl.arange(0, ROWS)
+    even = start + rows[:, None] * QB + 2 * tl.arange(0, QB // 2)[None, :]
+    mask_even, mask_odd = even < size, even + 1 < size
+    block_index = start // QB + rows
+    block_mask = block_index * QB < size
+    m_scales = tl.load(table + 3 * count + t).to(tl.pointer_type(tl.float32))
+    v_scales = tl.load(table + 5 * count + t).to(tl.pointer_type(tl.float32))
+    m_scale = tl.load(m_scales + block_index, mask=block_mask, other=0.0)[:, None]
+    v_scale = tl.load(v_scales + block_index, mask=block_mask, other=0.0)[:, None]
+    key = tl.load(table + 7 * count + t).to(tl.uint32)
+    step_size = tl.load(step_sizes + t)
+    m_even, v_even = _adam_q_lane(table, count, t, even, mask_even, m_scale, v_scale, m_map, v_map, step_size, beta1,
+                                  beta2, one_minus_beta1, one_minus_beta2, eps, decay, grad_scale, key, DECAY,
+                                  STOCHASTIC, WEIGHTS, BITS)
+    m_odd, v_odd = _adam_q_lane(table, count, t, even + 1, mask_odd, m_scale, v_scale, m_map, v_map, step_size,
+                                beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, grad_scale, key, DECAY,
+                                STOCHASTIC, WEIGHTS, BITS)
+    m_codes = tl.load(table + 2 * count + t).to(tl.pointer_type(tl.uint8))
+    v_codes = tl.load(table + 4 * count + t).to(tl.pointer_type(tl.uint8))
+    _quantize(m_even, m_odd, mask_even, mask_odd, even, m_codes, m_scales, block_index, block_mask, m_mids, True,
+              BITS)
+    _quantize(v_even, v_odd, mask_even, mask_odd, even, v_codes, v_scales, block_index, block_mask, v_mids, False,
+              BITS)
+
+
+def _quantized_launch(block_size: int) -> tuple[int, int]:
+    """(rows, elements) of a program: whole blocks, QUANTIZED_CHUNK elements or one larger block."""
+    rows = max(1, QUANTIZED_CHUNK // block_size)
+    return rows, rows * block_size
+
+
+def sgd_quantized(
+    weights: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momenta: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    keys: Sequence[int] | None,
+    *,
+    bits: int,
+    block_size: int,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    grad_scale: float,
+) -> None:
+    """``quantized.sgd`` in one Triton launch (contiguous tensors on one device; weights FP32/FP16/BF16)."""
+    from lowmem.kernels import codebooks
+
+    count, device, dtype = len(weights), weights[0].device, weights[0].dtype
+    sizes, slot = tuple(w.numel() for w in weights), ("sgd_q", device, count, dtype, bits, block_size)
+    table = _table(
+        slot,
+        [[w.data_ptr() for w in weights], [g.data_ptr() for g in grads], [c.data_ptr() for c, _ in momenta],
+         [s.data_ptr() for _, s in momenta], list(keys) if keys else [0] * count, sizes],
+        device,
+    )  # fmt: skip
+    rows, chunk = _quantized_launch(block_size)
+    chunk_tensor, chunk_start = _chunks(slot, sizes, device, chunk)
+    m_map, m_mids = codebooks.tables(bits, True, device)
+    _sgd_q_kernel[(len(chunk_tensor),)](
+        table, chunk_tensor, chunk_start, count, m_map, m_mids, lr, momentum, weight_decay, grad_scale,
+        NESTEROV=nesterov, DECAY=weight_decay != 0, STOCHASTIC=keys is not None, WEIGHTS=_WEIGHT_CODES[dtype],
+        BITS=bits, QB=block_size, ROWS=rows, **_LAUNCH,
+    )
+
+
+def adam_quantized(
+    weights: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    exp_avg_sqs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    step_sizes: Sequence[float],
+    keys: Sequence[int] | None,
+    *,
+    bits: int,
+    block_size: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    decay: float | None,
+    grad_scale: float,
+) -> None:
+    """``quantized.adam`` in one Triton launch (contiguous tensors on one device; weights FP32/FP16/BF16)."""
+    from lowmem.kernels import codebooks
+
+    count, device, dtype = len(weights), weights[0].device, weights[0].dtype
+    sizes, slot = tuple(w.numel() for w in weights), ("adam_q", device, count, dtype, bits, block_size)
+    table = _table(
+        slot,
+        [[w.data_ptr() for w in weights], [g.data_ptr() for g in grads], [c.data_ptr() for c, _ in exp_avgs],
+         [s.data_ptr() for _, s in exp_avgs], [c.data_ptr() for c, _ in exp_avg_sqs],
+         [s.data_ptr() for _, s in exp_avg_sqs], sizes, list(keys) if keys else [0] * count],
+        device,
+    )  # fmt: skip
+    rows, chunk = _quantized_launch(block_size)
+    chunk_tensor, chunk_start = _chunks(slot, sizes, device, chunk)
+    m_map, m_mids = codebooks.tables(bits, True, device)
+    v_map, v_mids = codebooks.tables(bits, False, device)
+    _adam_q_kernel[(len(chunk_tensor),)](
+        table, chunk_tensor, chunk_start, count, torch.tensor(step_sizes, dtype=torch.float32).to(device), m_map,
+        m_mids, v_map, v_mids, beta1, beta2, 1 - beta1, 1 - beta2, eps, 1.0 if decay is None else decay, grad_scale,
+        DECAY=decay is not None, STOCHASTIC=keys is not None, WEIGHTS=_WEIGHT_CODES[dtype], BITS=bits,
+        QB=block_size, ROWS=rows, **_LAUNCH,
     )

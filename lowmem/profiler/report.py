@@ -65,7 +65,7 @@ class MemoryReport:
     """One configuration's memory (bytes) and FLOPs; see the module docstring for the definitions."""
 
     model_bytes: int
-    optimizer_bytes: int
+    optimizer_bytes: int  # gradients + optimizer state
     activation_bytes: int
     total_bytes: int  # model + optimizer + activation: the report's figure
     peak_bytes: int | None  # measured; None when no real step was run
@@ -80,6 +80,7 @@ class MemoryReport:
     activation_held_bytes: int  # the same tensors as autograd here really held them (see table())
     activation_saved_bytes: int  # the most saved-for-backward bytes alive at once (no gradients)
     peak_source: str = ""  # "cuda allocator" or "cpu tensor tracker"
+    optimizer_state_bytes: int = 0  # the optimizer state alone (part of optimizer_bytes): codes + scales when quantized
     seconds: dict[str, float] = field(default_factory=dict)  # time spent per measurement
 
     def to_json(self) -> dict:
@@ -95,7 +96,8 @@ class MemoryReport:
         lines = [
             "accounting (report's definition)",
             f"  model        {mb(self.model_bytes)}   ({active})",
-            f"  optimizer    {mb(self.optimizer_bytes)}",
+            f"  optimizer    {mb(self.optimizer_bytes)}   (state {mb(self.optimizer_state_bytes).strip()}, "
+            f"gradients {mb(self.optimizer_bytes - self.optimizer_state_bytes).strip()})",
             f"  activations  {mb(self.activation_bytes)}   at {self.activation_location}",
             *(f"    {name:<11}{mb(value)}" for name, value in self.activation_at_peak.items()),
             f"    (saved for backward at most: {mb(self.activation_saved_bytes).strip()}; stored when backward "
@@ -152,6 +154,7 @@ def profile_step(
     return MemoryReport(
         model_bytes=state.model_bytes,
         optimizer_bytes=state.optimizer_bytes,
+        optimizer_state_bytes=state.optimizer_state_bytes,
         activation_bytes=activations.activation_bytes,
         total_bytes=state.model_bytes + state.optimizer_bytes + activations.activation_bytes,
         peak_bytes=None if peak is None else peak.peak_bytes,

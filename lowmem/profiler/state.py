@@ -98,7 +98,9 @@ def _state_buffers(optimizer: torch.optim.Optimizer | None, param: torch.Tensor)
     if optimizer is None or param not in optimizer.state or not optimizer.state[param]:
         return None
     return [
-        v for v in optimizer.state[param].values() if isinstance(v, torch.Tensor) and v.shape == param.shape
+        v
+        for k, v in optimizer.state[param].items()
+        if isinstance(v, torch.Tensor) and v.shape == param.shape and not k.endswith(("_codes", "_scales"))
     ]
 
 

@@ -23,6 +23,13 @@ is a zero moment whatever the tensor's scale. The 0-dim FP32 ``*_log2_scale`` te
 must be left alone. Stochastic rounding draws counter-based random numbers (``lowmem.kernels
 .reference``): ``rounding_step`` in the state dict is all a resumed run needs to round as the
 original.
+
+**8- and 4-bit state** (``state_bits=8`` or ``4``; ``optim.state_bits``): the momentum buffer and
+Adam's moments are held blockwise quantized (``lowmem.kernels.quantized``; the maps and why:
+``lowmem.kernels.codebooks``) for FP32, FP16 and BF16 weights alike, as ``<name>_codes`` (uint8)
+and ``<name>_scales`` (FP32, one per block of ``block_size`` values) — ``momentum``, ``exp_avg``,
+``exp_avg_sq``. Such state is not shaped like its parameter, so the sparsity technique resets and
+moves it through ``reset_state`` / ``remap_state``, which re-quantize the blocks they touch.
 """
 
 from __future__ import annotations
@@ -33,16 +40,35 @@ from typing import Any
 import torch
 
 from lowmem import kernels
-from lowmem.kernels.reference import adam_step_size, tensor_keys
+from lowmem.kernels import quantized
+from lowmem.kernels.quantized import QState
+from lowmem.kernels.reference import SLICE, adam_step_size, tensor_keys
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+_QUANTIZABLE = (torch.float32, *_SIXTEEN_BIT)
+# The keys a state dict holds in their own dtype (torch's Optimizer.load_state_dict would cast every
+# state tensor to its parameter's dtype).
+_QUANTIZED_SUFFIXES = ("_codes", "_scales")
+_OWN_DTYPE_SUFFIXES = ("_log2_scale", *_QUANTIZED_SUFFIXES)
 
 
 class _LowPrecisionOptimizer(torch.optim.Optimizer):
     """What both optimizers share: state created up front, parameters grouped by device and dtype,
     the stochastic-rounding counter."""
 
-    def __init__(self, params: Iterable, defaults: dict[str, Any], stochastic_rounding: bool, seed: int) -> None:
+    # The quantized state tensors of each parameter, by name, and whether each is signed.
+    _MOMENTS: tuple[tuple[str, bool], ...] = ()
+
+    def __init__(
+        self, params: Iterable, defaults: dict[str, Any], stochastic_rounding: bool, seed: int,
+        state_bits: int | None = None, block_size: int = 128,
+    ) -> None:  # fmt: skip
+        if state_bits not in (None, 8, 4):
+            raise ValueError(f"state_bits={state_bits!r}: quantized state has 8 or 4 bits (None: the weights' dtype)")
+        if block_size < 16 or block_size > 4096 or block_size & (block_size - 1):
+            raise ValueError(f"block_size={block_size!r}: a power of two from 16 to 4096")
+        self.state_bits = state_bits  # 8 or 4: quantized state; None: state in the parameter's dtype
+        self.block_size = block_size
         super().__init__(params, defaults)
         self.stochastic_rounding = stochastic_rounding
         self.seed = seed
@@ -55,6 +81,75 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    # --- quantized state -------------------------------------------------------------------------
+    def _init_quantized(self, param: torch.Tensor, names: Iterable[tuple[str, bool]]) -> None:
+        if param.dtype not in _QUANTIZABLE:
+            raise ValueError(
+                f"{self.state_bits}-bit optimizer state needs FP32, FP16 or BF16 weights, not {param.dtype}"
+            )
+        for name, signed in names:
+            codes, scales = quantized.zeros(param.numel(), self.state_bits, self.block_size, signed, param.device)
+            self.state[param][f"{name}_codes"], self.state[param][f"{name}_scales"] = codes, scales
+
+    def _qstate(self, param: torch.Tensor, name: str) -> QState:
+        state = self.state[param]
+        return QState(state[f"{name}_codes"], state[f"{name}_scales"])
+
+    def _moments_of(self, param: torch.Tensor) -> list[tuple[str, bool]]:
+        return [(name, signed) for name, signed in self._MOMENTS if f"{name}_codes" in self.state.get(param, {})]
+
+    def _shaped_like(self, param: torch.Tensor) -> list[str]:
+        """The keys of ``param``'s state in its own dtype and shape (not quantized codes that happen to
+        have as many bytes as it has values)."""
+        return [
+            key
+            for key, value in self.state.get(param, {}).items()
+            if isinstance(value, torch.Tensor) and value.shape == param.shape and not key.endswith(_QUANTIZED_SUFFIXES)
+        ]
+
+    def read_state(self, param: torch.Tensor, name: str) -> torch.Tensor:
+        """Quantized state ``name`` of ``param`` (e.g. "exp_avg") in FP32, shaped like the parameter."""
+        signed = dict(self._MOMENTS)[name]
+        values = quantized.read(self._qstate(param, name), param.numel(), self.state_bits, self.block_size, signed)
+        return values.view(param.shape)
+
+    @torch.no_grad()
+    def reset_state(self, param: torch.Tensor, where: torch.Tensor) -> None:
+        """Zero the state of ``param`` at the positions ``where`` (bool, shaped like it) is True: the
+        slices of blocks holding such a position are read back, zeroed there and quantized anew (a
+        zero stays an exact zero); the others are left as they are. State in the parameter's dtype
+        is zeroed in place."""
+        where = where.to(param.device).reshape(-1)
+        for key in self._shaped_like(param):
+            self.state[param][key].masked_fill_(where.view(param.shape), 0)
+        for name, signed in self._moments_of(param):
+            state = self._qstate(param, name)
+            for start in range(0, param.numel(), SLICE):
+                hit = where[start : start + SLICE]
+                if not bool(hit.any()):
+                    continue
+                values = quantized.read_slice(state, start, hit.numel(), self.state_bits, self.block_size, signed)
+                quantized.write_slice(state, start, values.masked_fill_(hit, 0), self.state_bits, self.block_size,
+                                      signed)
+
+    @torch.no_grad()
+    def remap_state(self, param: torch.Tensor, kept_from: torch.Tensor, kept_to: torch.Tensor, size: int) -> None:
+        """Compact sparsity's rewiring: the state of ``param`` (its old active entries) becomes that of
+        ``size`` entries, holding old entry ``kept_from[i]`` at ``kept_to[i]`` and zero elsewhere (the
+        regrown). Quantized state is read back, moved, and quantized in the new blocks."""
+        state = self.state.get(param, {})
+        for key in self._shaped_like(param):
+            moved = state[key].new_zeros(size)
+            moved[kept_to] = state[key][kept_from]
+            state[key] = moved
+        for name, signed in self._moments_of(param):
+            old = quantized.read(self._qstate(param, name), param.numel(), self.state_bits, self.block_size, signed)
+            moved = old.new_zeros(size)
+            moved[kept_to] = old[kept_from]
+            state[f"{name}_codes"], state[f"{name}_scales"] = quantized.quantize(
+                moved, self.state_bits, self.block_size, signed
+            )
 
     def _by_dtype(self, group: dict[str, Any]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
         """The group's parameters that have a gradient, by (device, dtype)."""
@@ -81,16 +176,20 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
         self.rounding_step = int(state_dict.pop("rounding_step", 0))
         state_dict.pop("rounding_generator", None)  # written by lowmem before counter-based rounding
         super().load_state_dict(state_dict)
-        # Optimizer.load_state_dict casts floating state to the parameter's dtype; the scales are
-        # FP32 (they are small integers, so the round trip was exact).
-        for state in self.state.values():
-            for key, value in state.items():
-                if key.endswith("_log2_scale"):
-                    state[key] = value.float()
+        # Optimizer.load_state_dict casts every state tensor to its parameter's dtype: the per-tensor
+        # and per-block scales (FP32) and the codes (uint8) are put back as they were saved.
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, param in zip(saved_ids, params, strict=True):
+            saved = state_dict["state"].get(saved_id, {})
+            for key, value in saved.items():
+                if key.endswith(_OWN_DTYPE_SUFFIXES) and isinstance(value, torch.Tensor):
+                    self.state[param][key] = value.to(device=param.device, copy=True)
 
 
 def read_moment(state: dict[str, Any], key: str) -> torch.Tensor:
-    """Adam's moment ``key`` ("exp_avg" or "exp_avg_sq") of one parameter, in FP32 and unscaled."""
+    """Adam's moment ``key`` ("exp_avg" or "exp_avg_sq") of one parameter, in FP32 and unscaled
+    (state in the parameter's dtype; ``optimizer.read_state`` reads quantized state)."""
     stored, scale = state[key], state.get(f"{key}_log2_scale")
     return stored.float() if scale is None else torch.ldexp(stored.float(), -scale)
 
@@ -118,6 +217,8 @@ class LowPrecisionSGD(_LowPrecisionOptimizer):
         weight_decay: float = 5e-4,
         stochastic_rounding: bool = False,
         seed: int = 0,
+        state_bits: int | None = None,
+        block_size: int = 128,
     ) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(
@@ -126,10 +227,16 @@ class LowPrecisionSGD(_LowPrecisionOptimizer):
         if nesterov and momentum == 0:
             raise ValueError("SGD with nesterov=True needs momentum > 0")
         defaults = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay}
-        super().__init__(params, defaults, stochastic_rounding, seed)
+        super().__init__(params, defaults, stochastic_rounding, seed, state_bits, block_size)
+
+    _MOMENTS = (("momentum", True),)
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> None:
-        if group["momentum"] != 0:
+        if group["momentum"] == 0:
+            return
+        if self.state_bits is not None:
+            self._init_quantized(param, self._MOMENTS)
+        else:
             self.state[param]["momentum_buffer"] = torch.zeros_like(param)
 
     @torch.no_grad()
@@ -140,6 +247,14 @@ class LowPrecisionSGD(_LowPrecisionOptimizer):
             lr, momentum, nesterov, decay = group["lr"], group["momentum"], group["nesterov"], group["weight_decay"]
             for (_, dtype), params in self._by_dtype(group).items():
                 grads = [p.grad for p in params]
+                if self.state_bits is not None and momentum != 0:
+                    kernels.sgd_quantized(
+                        params, grads, [self._qstate(p, "momentum") for p in params],
+                        self._keys(params) if dtype in _SIXTEEN_BIT else None, bits=self.state_bits,
+                        block_size=self.block_size, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=decay,
+                        grad_scale=grad_scale,
+                    )
+                    continue
                 momenta = [self.state[p]["momentum_buffer"] for p in params] if momentum != 0 else []
                 if dtype in _SIXTEEN_BIT:
                     kernels.sgd(params, grads, momenta, self._keys(params), lr=lr, momentum=momentum,
@@ -181,6 +296,8 @@ class LowPrecisionAdam(_LowPrecisionOptimizer):
         weight_decay: float = 0.0,
         stochastic_rounding: bool = False,
         seed: int = 0,
+        state_bits: int | None = None,
+        block_size: int = 128,
     ) -> None:
         if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(
@@ -188,11 +305,17 @@ class LowPrecisionAdam(_LowPrecisionOptimizer):
                 f"got lr={lr}, eps={eps}, weight_decay={weight_decay}, betas={betas}"
             )
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults, stochastic_rounding, seed)
+        super().__init__(params, defaults, stochastic_rounding, seed, state_bits, block_size)
+
+    # The second moment is never negative: an unsigned map, whose zero is an exact zero's only.
+    _MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[param]
         state["step"] = 0
+        if self.state_bits is not None:
+            self._init_quantized(param, self._MOMENTS)
+            return
         state["exp_avg"] = torch.zeros_like(param)
         state["exp_avg_sq"] = torch.zeros_like(param)
         if param.dtype in _SIXTEEN_BIT:
@@ -212,6 +335,15 @@ class LowPrecisionAdam(_LowPrecisionOptimizer):
                     state["step"] += 1
                 step_sizes = [adam_step_size(lr, beta1, beta2, state["step"]) for state in states]
                 grads = [p.grad for p in params]
+                if self.state_bits is not None:
+                    kernels.adam_quantized(
+                        params, grads, [self._qstate(p, "exp_avg") for p in params],
+                        [self._qstate(p, "exp_avg_sq") for p in params], step_sizes,
+                        self._keys(params) if dtype in _SIXTEEN_BIT else None, bits=self.state_bits,
+                        block_size=self.block_size, beta1=beta1, beta2=beta2, eps=eps, decay=decay,
+                        grad_scale=grad_scale,
+                    )
+                    continue
                 exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
                 if dtype in _SIXTEEN_BIT:
                     scales = [(s["exp_avg_log2_scale"], s["exp_avg_sq_log2_scale"]) for s in states]
