@@ -72,6 +72,7 @@ DESCRIBED_KEYS = TECHNIQUE_KEYS | {
     "microbatch.mode",
     "checkpointing.every",
     "optim.lr_mult",
+    "optim.state_bits",
     "data.batch_size",
 }
 
@@ -254,6 +255,9 @@ def describe(config: dict[str, Any], keys: set[str]) -> str:
             parts.append(f"{strategy}/{config.get('checkpointing.every')}")
         else:
             parts.append(str(strategy))
+    if "optim.state_bits" in keys:
+        bits = config.get("optim.state_bits")
+        parts.append("state in the weights' dtype" if bits is None else f"{bits}-bit state")
     for key in sorted(k for k in keys if k.startswith("model.")):
         parts.append(f"{key.removeprefix('model.')} {config.get(key)}")
     if "optim.lr_mult" in keys:

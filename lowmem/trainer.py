@@ -23,7 +23,7 @@ from torch import nn
 
 from lowmem import distributed, kernels
 from lowmem.cli_errors import RunRefused
-from lowmem.config import ConfigError, microbatch_mode, name_list, validate
+from lowmem.config import ConfigError, microbatch_mode, name_list, state_width, validate
 from lowmem.libraries import configure_libraries
 from lowmem.metrics_log import MetricsLog, Progress
 from lowmem.planning.optimal import apply_optimal_checkpointing
@@ -435,6 +435,7 @@ STATE_KNOBS = (
     "precision.name",
     "optim.name",
     "optim.state_bits",
+    "optim.state_block_size",
     "sparsity.density",
     "sparsity.storage",
     "sparsity.include",
@@ -451,11 +452,28 @@ def _knob(config: dict, knob: str) -> Any:
     return config
 
 
+def _state_layout(config: dict) -> dict:
+    """``config`` with the optimizer state's layout spelt one way: ``optim.state_bits`` null is the
+    precision's width, and the block size matters only to 8- and 4-bit state."""
+    optim = config.get("optim")
+    if not isinstance(optim, dict) or "state_bits" not in optim:
+        return config
+    precision = _knob(config, "precision.name")
+    bits = optim["state_bits"]
+    if bits is None and isinstance(precision, str):
+        bits = state_width(precision)
+    optim = {**optim, "state_bits": bits}
+    if bits not in (8, 4):
+        optim.pop("state_block_size", None)
+    return {**config, "optim": optim}
+
+
 def check_resumable(saved: dict, mine: dict) -> None:
     """Refuse to resume a checkpoint trained with ``saved`` (its configuration) under ``mine`` when
     a knob of ``STATE_KNOBS`` differs; the error names the knob and the value to resume with."""
     if _knob(saved, "sparsity.storage") is _ABSENT and isinstance(saved.get("sparsity"), dict):
         saved = {**saved, "sparsity": {**saved["sparsity"], "storage": "masked"}}  # before compact storage
+    saved, mine = _state_layout(saved), _state_layout(mine)
     for knob in STATE_KNOBS:
         theirs, ours = _knob(saved, knob), _knob(mine, knob)
         if theirs is _ABSENT or ours is _ABSENT or theirs == ours:

@@ -1,6 +1,6 @@
 """8- and 4-bit optimizer state (``optim.state_bits``) against 16-bit state: bytes, plans and accuracy.
 
-Three parts (``--part bytes|accuracy|all``):
+Four parts (``--part bytes|blocks|accuracy|all``):
 
 - **bytes**: the accounted optimizer state (``optimizer_state_bytes``: codes + block scales) and the
   bytes of the state tensors the optimizer really holds (what a checkpoint stores), at 16, 8 and 4
@@ -8,6 +8,8 @@ Three parts (``--part bytes|accuracy|all``):
   then the configuration ``lowmem.plan +recipe=dc_iwslt data=fake plan.budget_mb=200`` chooses with
   16-bit state, accounted again with 8- and 4-bit state (same density, precision, microbatch and
   checkpointing) — its total.
+- **blocks**: the block size's trade-off (``optim.state_block_size``): bytes per value against the
+  error of one Adam step with quantized state, relative to FP32 state's.
 - **accuracy**: WRN-28-2 on the embedded digits (SGD; BF16, and the full combination: density 0.3,
   BF16, microbatches of 10, residual_star every 2) and a small DynamicConv on the embedded phrases
   (Adam, BF16, as ``scripts/demo_translation.py``), each at 16, 8 and 4 bits over ``--seeds``, through
@@ -96,6 +98,53 @@ def bytes_part() -> dict:
     return figures
 
 
+def block_sizes_part(sizes=(32, 64, 128, 256, 512, 2048)) -> dict:
+    """The block size's trade-off: bytes per value (codes + scales) against the error of one Adam step
+    from FP32 Adam's state after 10 steps on WRN-28-2's largest convolution weights with real
+    gradient-like noise (the error of the weights' update, relative to FP32 state's update)."""
+    import torch
+
+    from lowmem.kernels import quantized
+    from lowmem.profiler import quantized_state_bytes
+    from lowmem.techniques.optimizers import LowPrecisionAdam
+
+    generator = torch.Generator().manual_seed(0)
+    n = 128 * 128 * 9
+    # Gradients whose scale varies by output channel (rows of 1,152 values), as a conv layer's do.
+    rows = torch.logspace(-2, 1, 128)[torch.randperm(128, generator=generator)].repeat_interleave(n // 128)
+    exact = torch.nn.Parameter(torch.randn(n, generator=generator) * 0.05)
+    adam = LowPrecisionAdam([exact], lr=1e-3)
+    for _ in range(10):
+        exact.grad = torch.randn(n, generator=generator) * rows
+        adam.step()
+    exact.grad = torch.randn(n, generator=generator) * rows
+    figures = {}
+    print("\n| block size | bytes per value, 8 / 4 bits | update error, 8 / 4 bits |\n|---|---|---|")
+    for block in sizes:
+        errors, per_value = [], []
+        for bits in (8, 4):
+            approx = torch.nn.Parameter(exact.detach().clone())
+            approx.grad = exact.grad.clone()
+            quantized_adam = LowPrecisionAdam([approx], lr=1e-3, state_bits=bits, block_size=block)
+            state = quantized_adam.state[approx]
+            state["step"] = adam.state[exact]["step"]
+            for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+                state[f"{name}_codes"], state[f"{name}_scales"] = quantized.quantize(
+                    adam.state[exact][name], bits, block, signed)
+            copy = LowPrecisionAdam([e := torch.nn.Parameter(exact.detach().clone())], lr=1e-3)
+            copy.load_state_dict(adam.state_dict())
+            e.grad = exact.grad.clone()
+            before = exact.detach().clone()
+            copy.step()
+            quantized_adam.step()
+            reference_update = e.detach() - before
+            errors.append(float((approx.detach() - before - reference_update).norm() / reference_update.norm()))
+            per_value.append(quantized_state_bytes(n, bits, block) / n)
+        figures[block] = {"bytes_per_value": per_value, "update_error": errors}
+        print(f"| {block} | {per_value[0]:.3f} / {per_value[1]:.3f} | {errors[0]:.2%} / {errors[1]:.2%} |")
+    return figures
+
+
 def train(run_dir: Path, overrides: list[str]) -> dict:
     """One CLI run into ``run_dir`` (skipped when it finished before); its result.json."""
     result = run_dir / "result.json"
@@ -145,7 +194,7 @@ def accuracy_part(out: Path, seeds: list[int], epochs: int, dc_steps: int) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("bytes", "accuracy", "all"), default="all")
+    parser.add_argument("--part", choices=("bytes", "blocks", "accuracy", "all"), default="all")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=12, help="WRN-28-2 epochs on digits")
     parser.add_argument("--dc-steps", type=int, default=400, help="DynamicConv updates on phrases")
@@ -155,6 +204,8 @@ def main() -> None:
     figures = {}
     if args.part in ("bytes", "all"):
         figures["bytes"] = bytes_part()
+    if args.part in ("blocks", "all"):
+        figures["blocks"] = block_sizes_part()
     if args.part in ("accuracy", "all"):
         figures["accuracy"] = accuracy_part(args.out, args.seeds, args.epochs, args.dc_steps)
     if args.json:

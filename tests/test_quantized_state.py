@@ -336,3 +336,18 @@ def test_dynamicconv_adam_temporaries_stay_under_4_mb_on_the_fallback(monkeypatc
 def test_bad_state_bits_are_refused_naming_the_knob(overrides, message):
     with pytest.raises(ConfigError, match=message):
         build_trainer(compose(*TINY_WRN, *overrides))
+
+
+def test_a_resume_with_another_state_layout_is_refused_naming_the_knob():
+    from lowmem.trainer import check_resumable
+
+    def config(bits, block=128, precision="bf16"):
+        optim = {"name": "sgd", "state_bits": bits, "state_block_size": block}
+        return {"precision": {"name": precision}, "optim": optim}
+
+    check_resumable(config(None), config(16))  # null is the precision's width
+    check_resumable(config(16, 128), config(16, 64))  # the block size matters to quantized state only
+    with pytest.raises(ConfigError, match=r"optim.state_bits=8.*this run has optim.state_bits=4"):
+        check_resumable(config(8), config(4))
+    with pytest.raises(ConfigError, match=r"optim.state_block_size=128"):
+        check_resumable(config(8, 128), config(8, 256))

@@ -39,6 +39,7 @@ RUNS = {  # runs per sweep = configurations x 5 seeds
     "fig8_baselines": 11 * 2 * 5,
     "table4": 9 * 5,
     "fig10_dc_baselines": 13 * 5,
+    "state_bits": 3 * 3 * 5,
 }
 REAL_DATA = {"wrn_cifar": "cifar10", "dc_iwslt": "iwslt14"}
 
@@ -251,6 +252,11 @@ SMOKE = {
         ("setting=dc_narrow_e128",),
         SMALL_DC,
         {"optim.lr_mult": 4.0, "precision.name": "fp16", "checkpointing.every": 1},  # lr from the setting
+    ),
+    "state_bits": (
+        ("setting=t3_d10_mb4", "optim.state_bits=4"),
+        ("model.depth=10", "model.width=1", *SMALL_WRN),
+        {"precision.name": "fp16", "sparsity.density": 0.1, "optim.state_bits": 4},
     ),
 }
 
