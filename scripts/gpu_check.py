@@ -212,6 +212,59 @@ def accounting_matches_cpu(overrides: list[str], device: str) -> str:
     return f"accounted {report.total_bytes / 1e6:.1f} MB (cpu {cpu['total_bytes'] / 1e6:.1f} MB){peak}"
 
 
+def quantized_paths_agree(device: str, steps: int = 5) -> str:
+    """8- and 4-bit optimizer state: the device's fused kernel (Triton on CUDA, C on the CPU) against
+    the torch fallback from the same weights and state, ``steps`` SGD and Adam updates each.
+    Bit-identical on the CPU; on CUDA the fallback divides by the loss scale as torch's CUDA kernels
+    do, so the weights may differ in the last bit: counted and bounded, not required equal."""
+    from lowmem import kernels
+    from lowmem.kernels import quantized, reference
+
+    if kernels.backend(torch.device(device)) == "torch":
+        raise NotApplicable(f"no fused kernel on {device} here (Triton or a C compiler missing)")
+    native = kernels._native(torch.device(device))
+    differing = weights_off = 0
+    values = 0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for bits in (8, 4):
+            runs = []
+            for _ in range(2):
+                generator = torch.Generator().manual_seed(1)
+                sizes = (70_000, 1025, 77)
+                w = [(torch.randn(n, generator=generator) * 0.1).to(dtype).to(device) for n in sizes]
+                runs.append((w, [x.clone() for x in w],
+                             [quantized.zeros(n, bits, 128, True, torch.device(device)) for n in sizes],
+                             [quantized.zeros(n, bits, 128, True, torch.device(device)) for n in sizes],
+                             [quantized.zeros(n, bits, 128, False, torch.device(device)) for n in sizes]))
+            generator = torch.Generator().manual_seed(2)
+            for step in range(1, steps + 1):
+                grads = [(torch.randn(n, generator=generator) * 50).to(dtype).to(device) for n in sizes]
+                keys = reference.tensor_keys(3, step, len(sizes)) if dtype != torch.float32 else None
+                for (sgd, adam), (ws, wa, mom, m, v) in zip(
+                    ((quantized.sgd, quantized.adam), (native.sgd_quantized, native.adam_quantized)), runs, strict=True
+                ):
+                    sgd(ws, grads, mom, keys, bits=bits, block_size=128, lr=0.1, momentum=0.9, nesterov=True,
+                        weight_decay=5e-4, grad_scale=64.0)
+                    adam(wa, grads, m, v, [1e-3] * len(sizes), keys, bits=bits, block_size=128, beta1=0.9,
+                         beta2=0.999, eps=1e-8, decay=0.9999, grad_scale=64.0)
+            (ws0, wa0, mom0, m0, v0), (ws1, wa1, mom1, m1, v1) = runs
+            for a, b in zip([*ws0, *wa0], [*ws1, *wa1], strict=True):
+                weights_off += int((a != b).sum())
+                values += a.numel()
+                scale = a.float().abs().max().clamp_min(1e-30)
+                if float((a.float() - b.float()).abs().max() / scale) > 1e-2:
+                    raise AssertionError(f"{dtype} {bits} bits: weights differ by more than rounding")
+            for x, y in zip([*mom0, *m0, *v0], [*mom1, *m1, *v1], strict=True):
+                differing += int((x.codes != y.codes).sum())
+    if device == "cpu" and (differing or weights_off):
+        raise AssertionError(f"C kernel vs fallback: {weights_off} weights, {differing} codes differ")
+    if differing > 0.01 * values:
+        raise AssertionError(f"{differing} codes of {values} differ between the kernel and the fallback")
+    if not (differing or weights_off):
+        return "same bits"
+    return f"{weights_off} of {values} weights, {differing} codes differ"
+
+
 # --- the cases ------------------------------------------------------------------------------------
 
 TABLE3 = ("t3_fp32_baseline", "t3_d100_mb100", "t3_d100_mb10", "t3_d30_mb10", "t3_d20_mb10", "t3_d20_mb4", "t3_d10_mb4")
@@ -241,6 +294,13 @@ def cases(device: str, tiny: bool) -> list[Case]:
                 ]
                 found.append(Case(f"replay wrn_cifar/fake {precision} microbatch-{name}",
                                   lambda o=overrides: replay_equals_eager(o)))
+    found.append(Case(f"kernels: 8- and 4-bit state, fused vs fallback on {device}",
+                      lambda: quantized_paths_agree(device)))
+    for recipe, data, precision, bits in (("wrn_cifar", "fake", "fp16", 4), ("dc_iwslt", "phrases", "bf16", 8)):
+        overrides = recipe_overrides(recipe, data, tiny) + on + [
+            f"precision={precision}", *techniques(recipe)["all"], f"optim.state_bits={bits}"]
+        found.append(Case(f"train {recipe}/{data} {precision} all optim.state_bits={bits}",
+                          lambda o=overrides: train_steps(o)))
     resume = recipe_overrides("dc_iwslt", "fake", True) + on + [
         "data.train_size=200", "data.batch_size=300", "trainer.epochs=3", "precision=fp16",
         "precision.stochastic_rounding=true", "sparsity.density=0.5", "trainer.deterministic=true",
