@@ -389,9 +389,11 @@ class Trainer:
         }
 
     def optimizer_kernels(self) -> str:
-        """What computes this run's 16-bit optimizer updates: "cpu" (the C kernel), "triton" or
-        "torch" (the fallback); "torch" too for FP32/FP64/amp weights (torch's own updates)."""
-        if self.policy.param_dtype not in (torch.float16, torch.bfloat16):
+        """What computes this run's fused optimizer updates: "cpu" (the C kernel), "triton" or "torch"
+        (the fallback, also after a fused kernel failed its check); "torch" too for FP32/FP64/amp
+        weights with state in their own dtype (torch's own updates)."""
+        quantized_state = getattr(self.optimizer, "state_bits", None) is not None
+        if self.policy.param_dtype not in (torch.float16, torch.bfloat16) and not quantized_state:
             return "torch"
         return kernels.backend(self.device)
 

@@ -351,3 +351,37 @@ def test_a_resume_with_another_state_layout_is_refused_naming_the_knob():
         check_resumable(config(8), config(4))
     with pytest.raises(ConfigError, match=r"optim.state_block_size=128"):
         check_resumable(config(8, 128), config(8, 256))
+
+
+@pytest.mark.parametrize("failure", ["wrong bits", "exception"])
+def test_a_fused_kernel_that_disagrees_is_not_used_and_says_so(monkeypatch, caplog, failure):
+    """A fused kernel proves itself against the fallback before it updates anything; one that gives
+    other bits, or fails to run, hands the device to the fallback with one warning."""
+    from lowmem import kernels
+
+    if cpu.library() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(kernels, "_verified", {})
+    monkeypatch.setattr(kernels, "_refused", set())
+    good = cpu.sgd_quantized
+
+    def broken(weights, *args, **kwargs):
+        if failure == "exception":
+            raise RuntimeError("illegal instruction")
+        good(weights, *args, **kwargs)
+        weights[0].view(-1)[0] += 1  # one wrong value
+
+    monkeypatch.setattr(cpu, "sgd_quantized", broken)
+    params = [torch.nn.Parameter(torch.randn(300).to(torch.bfloat16)) for _ in range(2)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optimizer = LowPrecisionSGD(params, lr=0.1, state_bits=8)
+    reference_optimizer = LowPrecisionSGD(twins, lr=0.1, state_bits=8)
+    for p, q in zip(params, twins, strict=True):
+        p.grad = q.grad = torch.randn(300).to(torch.bfloat16)
+    with caplog.at_level("WARNING", logger="lowmem.kernels"):
+        optimizer.step()
+    assert "failed its check against the torch fallback" in caplog.text
+    assert kernels.backend(torch.device("cpu")) == "torch"
+    monkeypatch.setenv("LOWMEM_KERNELS", "torch")
+    reference_optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, twins, strict=True))

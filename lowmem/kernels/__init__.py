@@ -13,6 +13,14 @@ Where the update runs:
 Both fused paths are registered as torch operators, so profilers and dispatch modes see each update
 as the single operation it is.
 
+A fused kernel proves itself before it updates a run's weights: the first call of each kind (update,
+device, dtype, state width) in a process first runs it and the fallback on a small probe from the
+same inputs (``verified``). The C kernel must give the fallback's bits; Triton (whose division by
+the loss scale may differ from torch's CUDA kernels in the last bit) must agree within two units in
+the last place and 1% of the state codes. A kernel that fails to build, launch or agree is not used
+again on that device in this process: one warning names it, and the fallback does its work
+(``backend`` then says "torch", as checkpoints record).
+
 ``sgd_quantized`` and ``adam_quantized`` are the same updates with 8- or 4-bit blockwise-quantized
 state (``quantized.py``) for FP32, FP16 or BF16 weights, on the same three backends
 (``lowmem::sgd_q_`` / ``lowmem::adam_q_``).
@@ -22,14 +30,19 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from lowmem.kernels import cpu, quantized, reference
 
+log = logging.getLogger(__name__)
+
 BACKENDS = ("auto", "torch")
+_verified: dict[tuple, bool] = {}  # (kind, device, dtype, bits, block size) -> the fused kernel agreed
+_refused: set[str] = set()  # devices (str) whose fused kernels failed their check: the fallback there
 
 
 def backend(device: torch.device) -> str:
@@ -37,7 +50,7 @@ def backend(device: torch.device) -> str:
     choice = os.environ.get("LOWMEM_KERNELS", "auto")
     if choice not in BACKENDS:
         raise ValueError(f"LOWMEM_KERNELS={choice!r} is unknown; allowed: {', '.join(BACKENDS)}")
-    if choice == "torch":
+    if choice == "torch" or str(device) in _refused:
         return "torch"
     if device.type == "cpu" and cpu.library() is not None:
         return "cpu"
@@ -49,6 +62,93 @@ def backend(device: torch.device) -> str:
 @functools.cache
 def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def verified(
+    kind: str, device: torch.device, dtype: torch.dtype, bits: int | None = None, block_size: int = 128
+) -> bool:
+    """Whether the fused ``kind`` kernel ("sgd", "adam", "sgd_q", "adam_q") agrees with the fallback on
+    ``device`` for ``dtype`` (see the module docstring); checked once per process."""
+    key = (kind, str(device), dtype, bits, block_size)
+    if key not in _verified:
+        try:
+            problem = _probe(kind, device, dtype, bits, block_size)
+        except Exception as error:  # noqa: BLE001 - a kernel that does not build or launch here
+            problem = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+        _verified[key] = problem is None
+        if problem is not None:
+            _refused.add(str(device))
+            log.warning(
+                "lowmem's fused %s optimizer kernel (%s, %s%s) failed its check against the torch fallback (%s); the "
+                "fallback updates this run's weights on %s from now on", kind, backend_name(device), dtype,
+                f", {bits}-bit state" if bits else "", problem, device,
+            )
+    return _verified[key]
+
+
+def backend_name(device: torch.device) -> str:
+    return "C" if device.type == "cpu" else "Triton"
+
+
+def _probe(kind: str, device: torch.device, dtype: torch.dtype, bits: int | None, block_size: int) -> str | None:
+    """Run the fused kernel and the fallback from the same small inputs; what differs, or None."""
+    generator = torch.Generator().manual_seed(0)
+    sizes = (2 * block_size + 77, 77)
+
+    def make(scale: float, positive: bool = False) -> list[torch.Tensor]:
+        made = [torch.randn(n, generator=generator) * scale for n in sizes]
+        return [(t.abs() if positive else t).to(dtype).to(device) for t in made]
+
+    weights, grads = make(0.1), make(50.0)
+    keys = reference.tensor_keys(1, 1, len(sizes)) if dtype != torch.float32 else None
+    first, second = make(1.0), make(100.0, positive=True)  # the state both paths start from
+    native = _native(device)
+    runs = []
+    for fused in (True, False):
+        w = [t.clone() for t in weights]
+        if kind == "sgd":
+            momenta = [t.clone() for t in first]
+            call: Callable = native.sgd if fused else reference.sgd
+            call(w, grads, momenta, keys, lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4, grad_scale=64.0)
+            state = momenta
+        elif kind == "adam":
+            m, v = [t.clone() for t in first], [t.clone() for t in second]
+            scales = [(torch.tensor(3.0, device=device), torch.tensor(-2.0, device=device)) for _ in sizes]
+            call = native.adam if fused else reference.adam
+            call(w, grads, m, v, scales, [1e-3] * len(sizes), keys, beta1=0.9, beta2=0.999, eps=1e-8, decay=0.9999,
+                 grad_scale=64.0)
+            state = [*m, *v, *(t for pair in scales for t in pair)]
+        else:
+            m = [quantized.quantize(t.float(), bits, block_size, True) for t in first]
+            if kind == "sgd_q":
+                call = native.sgd_quantized if fused else quantized.sgd
+                call(w, grads, m, keys, bits=bits, block_size=block_size, lr=0.1, momentum=0.9, nesterov=True,
+                     weight_decay=5e-4, grad_scale=64.0)
+                state = [t for q in m for t in q]
+            else:
+                v = [quantized.quantize(t.float(), bits, block_size, False) for t in second]
+                call = native.adam_quantized if fused else quantized.adam
+                call(w, grads, m, v, [1e-3] * len(sizes), keys, bits=bits, block_size=block_size, beta1=0.9,
+                     beta2=0.999, eps=1e-8, decay=0.9999, grad_scale=64.0)
+                state = [t for q in (*m, *v) for t in q]
+        runs.append([*w, *state])
+    exact = device.type == "cpu"
+    for a, b in zip(*runs, strict=True):
+        if torch.equal(a, b):
+            continue
+        if exact:
+            return "different bits"
+        if a.dtype == torch.uint8:  # quantized codes
+            if (a != b).float().mean() > 0.01:
+                return "state codes differ"
+            continue
+        ulp = torch.finfo(a.dtype).eps
+        a, b = a.float(), b.float()
+        if not torch.isfinite(a).all() or not torch.isfinite(b).all():
+            return "non-finite values"
+        if ((a - b).abs() > 2 * ulp * b.abs() + 1e-30).float().mean() > 0.01:
+            return "values differ beyond the last bits"
+    return None
 
 
 def _native(device: torch.device):
@@ -116,7 +216,8 @@ def sgd(
     grad_scale: float,
 ) -> None:
     """SGD (``reference.sgd``) over 16-bit tensors of one dtype on one device, in place."""
-    if backend(weights[0].device) == "torch" or not _all_contiguous(weights, grads, momenta):
+    device, dtype = weights[0].device, weights[0].dtype
+    if backend(device) == "torch" or not _all_contiguous(weights, grads, momenta) or not verified("sgd", device, dtype):
         reference.sgd(weights, grads, momenta, keys, lr=lr, momentum=momentum, nesterov=nesterov,
                       weight_decay=weight_decay, grad_scale=grad_scale)
         return
@@ -142,7 +243,12 @@ def adam(
     grad_scale: float,
 ) -> None:
     """Adam (``reference.adam``) over 16-bit tensors of one dtype on one device, in place."""
-    if backend(weights[0].device) == "torch" or not _all_contiguous(weights, grads, exp_avgs, exp_avg_sqs):
+    device, dtype = weights[0].device, weights[0].dtype
+    if (
+        backend(device) == "torch"
+        or not _all_contiguous(weights, grads, exp_avgs, exp_avg_sqs)
+        or not verified("adam", device, dtype)
+    ):
         reference.adam(weights, grads, exp_avgs, exp_avg_sqs, log2_scales, step_sizes, keys, beta1=beta1,
                        beta2=beta2, eps=eps, decay=decay, grad_scale=grad_scale)
         return
@@ -219,7 +325,12 @@ def sgd_quantized(
     grad_scale: float,
 ) -> None:
     """SGD with quantized momentum (``quantized.sgd``) over tensors of one dtype on one device, in place."""
-    if backend(weights[0].device) == "torch" or not _all_contiguous(weights, grads):
+    device, dtype = weights[0].device, weights[0].dtype
+    if (
+        backend(device) == "torch"
+        or not _all_contiguous(weights, grads)
+        or not verified("sgd_q", device, dtype, bits, block_size)
+    ):
         quantized.sgd(weights, grads, momenta, keys, bits=bits, block_size=block_size, lr=lr, momentum=momentum,
                       nesterov=nesterov, weight_decay=weight_decay, grad_scale=grad_scale)
         return
@@ -246,7 +357,12 @@ def adam_quantized(
     grad_scale: float,
 ) -> None:
     """Adam with quantized moments (``quantized.adam``) over tensors of one dtype on one device, in place."""
-    if backend(weights[0].device) == "torch" or not _all_contiguous(weights, grads):
+    device, dtype = weights[0].device, weights[0].dtype
+    if (
+        backend(device) == "torch"
+        or not _all_contiguous(weights, grads)
+        or not verified("adam_q", device, dtype, bits, block_size)
+    ):
         quantized.adam(weights, grads, exp_avgs, exp_avg_sqs, step_sizes, keys, bits=bits, block_size=block_size,
                        beta1=beta1, beta2=beta2, eps=eps, decay=decay, grad_scale=grad_scale)
         return

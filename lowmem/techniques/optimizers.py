@@ -78,6 +78,22 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for param in group["params"]:
                 self._init_state(param, group)
+        self._check_kernels()
+
+    def _check_kernels(self) -> None:
+        """Have each fused kernel this optimizer will call prove itself now, before any step (its probe
+        allocates a little, which a step's measured peak should not see): ``kernels.verified``."""
+        kind = "adam" if "betas" in self.defaults else "sgd"
+        quantized_state = self.state_bits is not None and (
+            kind == "adam" or any(group["momentum"] != 0 for group in self.param_groups)
+        )
+        for device, dtype in {(p.device, p.dtype) for group in self.param_groups for p in group["params"]}:
+            if kernels.backend(device) == "torch":
+                continue
+            if quantized_state and dtype in _QUANTIZABLE:
+                kernels.verified(f"{kind}_q", device, dtype, self.state_bits, self.block_size)
+            elif dtype in _SIXTEEN_BIT:
+                kernels.verified(kind, device, dtype)
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> None:
         raise NotImplementedError
