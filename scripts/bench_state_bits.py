@@ -167,19 +167,17 @@ def accuracy_part(out: Path, seeds: list[int], epochs: int, dc_steps: int) -> di
         "WRN-28-2 digits, full combination": (["+recipe=wrn_cifar", "data=digits", *COMBINATION], "best_test_acc"),
         "DynamicConv phrases, BF16, Adam": (["+recipe=dc_iwslt", *SMALL_DC], "bleu"),
     }
-    figures = {}
-    for name, (overrides, metric) in experiments.items():
-        figures[name] = {}
-        is_wrn = overrides[0] == "+recipe=wrn_cifar"
-        length = [f"trainer.epochs={epochs}", milestones] if is_wrn else [f"trainer.max_steps={dc_steps}"]
-        for bits in BITS:
-            scores = []
-            for seed in seeds:
-                slug = f"{name.split(',')[0].split()[0].lower()}-{'combo' if 'combination' in name else 'plain'}"
+    figures: dict[str, dict[int, list[float]]] = {name: {bits: [] for bits in BITS} for name in experiments}
+    # Seed by seed (each seed a complete comparison), so that an interrupted sweep still compares.
+    for seed in seeds:
+        for name, (overrides, metric) in experiments.items():
+            is_wrn = overrides[0] == "+recipe=wrn_cifar"
+            length = [f"trainer.epochs={epochs}", milestones] if is_wrn else [f"trainer.max_steps={dc_steps}"]
+            slug = f"{name.split(',')[0].split()[0].lower()}-{'combo' if 'combination' in name else 'plain'}"
+            for bits in BITS:
                 run_dir = out / f"{slug}-bits{bits}-seed{seed}"
                 result = train(run_dir, [*overrides, *length, f"optim.state_bits={bits}", f"trainer.seed={seed}"])
-                scores.append(float(result[metric]))
-            figures[name][bits] = scores
+                figures[name][bits].append(float(result[metric]))
     print("\n| run | metric | 16-bit state | 8-bit | 4-bit | seeds |\n|---|---|---|---|---|---|")
     for name, rows in figures.items():
         metric = "BLEU" if "DynamicConv" in name else "best test acc %"
@@ -187,7 +185,7 @@ def accuracy_part(out: Path, seeds: list[int], epochs: int, dc_steps: int) -> di
         for bits in BITS:
             mean = statistics.mean(rows[bits])
             delta = "" if bits == 16 else f" ({mean - statistics.mean(rows[16]):+.2f})"
-            cells.append(f"{mean:.2f}{delta} [{', '.join(f'{s:.1f}' for s in rows[bits])}]")
+            cells.append(f"{mean:.2f}{delta} [{', '.join(f'{v:.1f}' for v in rows[bits])}]")
         print(f"| {name} | {metric} | {' | '.join(cells)} | {', '.join(map(str, seeds))} |")
     return figures
 
