@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowmem.config import ConfigError
+from lowmem.techniques.compact import index_buffer_names
 
 
 def world_size() -> int:
@@ -71,7 +72,7 @@ def wrap_model(model: nn.Module, device: torch.device, sync_batchnorm: bool = Fa
     if sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     device_ids = [device.index] if device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    return _data_parallel(model, device_ids)
 
 
 def rewrap_model(model: nn.Module) -> nn.Module:
@@ -79,7 +80,14 @@ def rewrap_model(model: nn.Module) -> nn.Module:
     (compact sparse weights after a rewiring); ``model`` itself when not wrapped."""
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         return model
-    return nn.parallel.DistributedDataParallel(model.module, device_ids=model.device_ids)
+    return _data_parallel(model.module, model.device_ids)
+
+
+def _data_parallel(model: nn.Module, device_ids: list[int] | None) -> nn.Module:
+    # Compact sparse weights' positions are not broadcast: every rank derives the same ones from
+    # the seeded masks (checked after each rewiring), and int16 is a type gloo and NCCL do not carry.
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, index_buffer_names(model))
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
 
 def check_identical(value: int, what: str, device: torch.device) -> None:

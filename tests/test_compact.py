@@ -1,20 +1,26 @@
-"""Compact sparse storage (lowmem.techniques.compact): the layers against dense-masked references, the
-fixed-capacity buffers, the plain state dict, and compact vs dense-masked training in FP64."""
+"""Compact sparse storage (lowmem.techniques.compact): the position format (int16 columns over rows of
+2^15 entries) against flat positions, the layers against dense-masked references (bitwise), the
+fixed-capacity buffers, the plain state dict, the former layout's checkpoints, and compact vs
+dense-masked training in FP64."""
 
 from __future__ import annotations
 
+import copy
 import io
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import lowmem
 from lowmem.techniques import compact
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
 from lowmem.techniques.sparsity import DynamicSparsity, RewireSchedule
 from recipes.wrn_cifar.model import WideResNet
+from tests.helpers import lm_loss, tiny_gpt
 
 
 class Mixed(nn.Module):
@@ -57,24 +63,99 @@ def sparse_model(storage: str, density: float = 0.4, **kwargs) -> tuple[Mixed, D
     return model, sparsity
 
 
-def test_compact_layers_equal_dense_masked_ones_forward_and_backward():
+def exact(got: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_compact_layers_equal_dense_masked_ones_forward_and_backward_bitwise():
     model, sparsity = sparse_model("compact")
     reference = compact.dense_copy(model)
     images, tokens, _ = batch(0)
     images_a, images_b = images.clone().requires_grad_(), images.clone().requires_grad_()
     out = model(images_a, tokens)
     expected = reference(images_b, tokens)
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    exact(out, expected)
     grad = torch.randn_like(out)
     out.backward(grad)
     expected.backward(grad)
-    torch.testing.assert_close(images_a.grad, images_b.grad, rtol=1e-12, atol=1e-12)
+    exact(images_a.grad, images_b.grad)
     for name in NAMES:
         values, positions = sparsity.compact.layer(name)
-        dense_grad = reference.get_parameter(name).grad
-        torch.testing.assert_close(values.grad, dense_grad.reshape(-1)[positions.long()], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(model.conv.bias.grad, reference.conv.bias.grad, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(model.proj.bias.grad, reference.proj.bias.grad, rtol=1e-12, atol=1e-12)
+        exact(values.grad, reference.get_parameter(name).grad.reshape(-1)[positions])
+    exact(model.conv.bias.grad, reference.conv.bias.grad)
+    exact(model.proj.bias.grad, reference.proj.bias.grad)
+
+
+# --- the position format ---------------------------------------------------------------------------
+
+
+def random_positions(numel: int, density: float, empty_rows: tuple[int, ...] = ()) -> torch.Tensor:
+    """Increasing flat positions, about ``density`` of ``numel``, none in the rows ``empty_rows``."""
+    mask = torch.rand(numel, generator=torch.Generator().manual_seed(numel)) < density
+    for row in empty_rows:
+        mask[row * compact.ROW : (row + 1) * compact.ROW] = False
+    return mask.nonzero().squeeze(1)
+
+
+def test_positions_round_trip_through_int16_columns_and_row_starts_in_any_range():
+    numel = 5 * compact.ROW + 123  # six rows, the last partial, the third empty
+    positions = random_positions(numel, 0.5, empty_rows=(2,))
+    assert positions.numel() > compact.CHUNK  # densify and gather take several chunks
+    columns, row_starts = compact.encode(positions.int(), numel)
+    assert columns.dtype == torch.int16 and columns.shape == positions.shape
+    assert row_starts.dtype == torch.int64 and row_starts.numel() == 6 + 1
+    assert row_starts[2] == row_starts[3]  # the empty row
+    exact(compact.flat_positions(columns, row_starts), positions)
+    # Every range, also those that start or end at a row start (empty rows included).
+    edges = sorted({0, 1, positions.numel() - 1, positions.numel(), *row_starts.tolist()})
+    ranges = {(a, b) for a in edges for b in edges if a <= b} | {(e - 1, e + 1) for e in edges[1:-1]}
+    for start, end in sorted(ranges):
+        for dtype in (torch.int32, torch.int64):
+            exact(compact.flat_positions(columns, row_starts, start, end, dtype), positions[start:end].to(dtype))
+
+
+@pytest.mark.parametrize(("dtype", "grad_dtype"), [(torch.float64, torch.float64), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.float32, torch.bfloat16)])  # fmt: skip
+def test_densify_and_gather_give_the_flat_positions_results_bitwise(dtype, grad_dtype):
+    shape = (300, 77, 3, 3)  # 207,900 entries: 7 rows, 2 chunks of active entries at density 0.4
+    positions = random_positions(math.prod(shape), 0.4)
+    index = compact.encode(positions, math.prod(shape))
+    values = torch.randn(positions.numel(), dtype=torch.float64).to(dtype)
+    # What the former layout (int32 flat positions) computed:
+    expected = values.new_zeros(math.prod(shape)).index_put_((positions.int(),), values).view(shape)
+    exact(compact.densify(values, *index, shape), expected)
+    dense_grad = torch.randn(shape, dtype=torch.float64).to(grad_dtype)
+    gathered = compact.gather(dense_grad, *index, dtype)
+    exact(gathered, dense_grad.reshape(-1).index_select(0, positions.int()).to(dtype))
+
+
+def test_a_weight_of_any_width_keeps_16_bit_columns_and_computes_exactly():
+    # 70,000 inputs per output: wider than 16 bits could index within an output row; rows of 2^15
+    # entries need no wider fallback.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(70_000, 3)).double()
+    sparsity = DynamicSparsity(model, ["0.weight"], 0.4, schedule=every(100), storage="compact")
+    assert model[0].weight_columns.dtype == torch.int16 and model[0].weight_columns.numel() == 84_000
+    reference = compact.dense_copy(model)
+    x = torch.randn(2, 70_000, dtype=torch.float64)
+    out, expected = model(x), reference(x)
+    exact(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    values, positions = sparsity.compact.layer("0.weight")
+    exact(values.grad, reference[0].weight.grad.reshape(-1)[positions])
+    exact(sparsity.masks["0.weight"], reference[0].weight != 0)
+
+
+def test_positions_hold_2_bytes_per_active_weight_where_int32_took_4():
+    conv = nn.Conv2d(512, 512, 3, bias=False)  # resnet18's largest layer
+    sparsity = DynamicSparsity(conv, ["weight"], 0.3, schedule=every(100))
+    active = sparsity.nonzero_count()
+    rows = compact.row_count(512 * 512 * 9)
+    held = sum(buffer.untyped_storage().nbytes() for buffer in (sparsity.compact.columns, sparsity.compact.row_starts))
+    assert held == 2 * active + 8 * (rows + 1)
+    assert sum(b.nbytes for b in conv.buffers()) == held  # the module's buffers: views of these
+    assert held / active < 2.001  # the former int32 flat positions: 4 bytes per active weight
 
 
 def test_compact_storage_holds_active_entries_only_in_fixed_buffers():
@@ -82,7 +163,7 @@ def test_compact_storage_holds_active_entries_only_in_fixed_buffers():
     store = sparsity.compact
     names = dict(model.named_parameters())
     assert not set(NAMES) & set(names)  # no dense weight is left
-    buffers = (store.values.data_ptr(), store.positions.data_ptr(), store.capacity)
+    buffers = (store.values.data_ptr(), store.columns.data_ptr(), store.row_starts.data_ptr(), store.capacity)
     optimizer = LowPrecisionSGD(model.parameters(), lr=0.05)
     for step in range(7):
         images, tokens, target = batch(step)
@@ -90,6 +171,8 @@ def test_compact_storage_holds_active_entries_only_in_fixed_buffers():
         for name in NAMES:
             values, positions = store.layer(name)
             assert values.grad.shape == values.shape == positions.shape  # gradients: active entries only
+            module, attr = store.owner(name)
+            assert getattr(module, attr + "_columns").shape == values.shape
             assert (positions[1:] > positions[:-1]).all()  # strictly increasing
         optimizer.step()
         report = sparsity.after_optimizer_step(optimizer, epoch=0.0)
@@ -98,7 +181,8 @@ def test_compact_storage_holds_active_entries_only_in_fixed_buffers():
         if report is not None:
             assert report["pruned"] > 0
             # Rewiring moved entries inside the same buffers, whose capacity does not change.
-            assert (store.values.data_ptr(), store.positions.data_ptr(), store.capacity) == buffers
+            assert (store.values.data_ptr(), store.columns.data_ptr(), store.row_starts.data_ptr(),
+                    store.capacity) == buffers  # fmt: skip
             assert sum(store.counts) == store.capacity == sparsity.nonzero_count()
             for name in NAMES:
                 values, _ = store.layer(name)
@@ -143,12 +227,62 @@ def test_dense_state_dict_is_a_plain_state_dict_and_the_compact_one_resumes():
     # The compact state dict (what checkpoints hold) restores the layout after a rewiring.
     sparsity.rewire()
     state = {"model": model.state_dict(), "sparsity": sparsity.state_dict()}
-    assert any(key.endswith("_positions") for key in state["model"])
+    assert any(key.endswith("_columns") for key in state["model"])
     resumed_model, resumed = sparse_model("compact")
     resumed.load_state_dict(state["sparsity"])
     resumed_model.load_state_dict(state["model"])
     for name in NAMES:
         assert torch.equal(resumed.dense_weight(name), sparsity.dense_weight(name))
+
+
+def former_layout(state: dict) -> dict:
+    """``state`` as the code before int16 columns saved it: each compact weight's positions as one int32
+    tensor of flat positions, ``<name>_positions``."""
+    out = {}
+    for key, value in state.items():
+        if key.endswith("_columns"):
+            name = key.removesuffix("_columns")
+            out[name + "_positions"] = compact.flat_positions(value, state[name + "_row_starts"]).int()
+        elif not key.endswith("_row_starts"):
+            out[key] = value
+    return out
+
+
+def test_a_state_dict_of_the_former_flat_positions_loads():
+    model, sparsity = sparse_model("compact")
+    sparsity.rewire()
+    state = {"model": former_layout(model.state_dict()), "sparsity": sparsity.state_dict()}
+    assert {key for key in state["model"] if "_positions" in key} == {name + "_positions" for name in NAMES}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed_model, resumed = sparse_model("compact")
+    resumed.load_state_dict(saved["sparsity"])
+    resumed_model.load_state_dict(saved["model"])
+    for key, value in model.state_dict().items():
+        exact(resumed_model.state_dict()[key], value)
+
+
+def test_a_checkpoint_of_the_former_flat_positions_resumes_bit_identically():
+    overrides = ["trainer.device=cpu", "precision=bf16", "sparsity.density=0.3", "optim.name=adam", "optim.lr=1e-3",
+                 "microbatch.size=2"]  # fmt: skip
+    first = (torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(2)),)
+    first, second = [(tokens[:, :-1], tokens[:, 1:]) for tokens in (first[0], first[0].roll(1, 0))]
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    interrupted = lowmem.prepare(copy.deepcopy(model), lm_loss, first, overrides=overrides)
+    interrupted.step(first)
+    interrupted.trainer.sparsity.rewire(interrupted.optimizer)
+    saved = copy.deepcopy(interrupted.state_dict())
+    saved["model"] = former_layout(saved["model"])
+    interrupted.step(second)
+    resumed = lowmem.prepare(copy.deepcopy(model), lm_loss, first, overrides=overrides)
+    resumed.load_state_dict(saved)
+    resumed.step(second)
+    expected = interrupted.model.state_dict()
+    for key, value in resumed.model.state_dict().items():
+        exact(value, expected[key])
 
 
 def test_compact_layers_under_bf16_autocast_keep_fp32_gradients_and_follow_a_cast_model():

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowmem.techniques.compact import densify
 from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
 from lowmem.techniques.sparsity import (
     DC_SCHEDULE,
@@ -83,7 +82,11 @@ def dense_state(sparsity: DynamicSparsity, optimizer: torch.optim.Optimizer, nam
     values, positions = sparsity.compact.layer(name)
     shape = sparsity.compact.shape(name)
     state = optimizer.state[values].values()
-    return [densify(v, positions, shape) for v in state if torch.is_tensor(v) and v.shape == values.shape]
+    return [
+        v.new_zeros(shape.numel()).index_put_((positions,), v).view(shape)
+        for v in state
+        if torch.is_tensor(v) and v.shape == values.shape
+    ]
 
 
 @storages

@@ -3,22 +3,37 @@
 A sparse weight of dense shape S with k active entries is held as
 
 - ``<name>_values``: the k active values, a 1-D ``nn.Parameter`` in the weight's dtype (trained: its
-  gradient and its optimizer state have k entries too), and
-- ``<name>_positions``: their k flat indices into the dense weight, int32, strictly increasing (a
-  buffer),
+  gradient and its optimizer state have k entries too), in increasing order of flat position; and
+- their positions, in CSR form over the flattened weight cut into rows of ``ROW`` (2^15) entries,
+  flat position = row · ROW + column, as two buffers:
 
-on the module that owned the dense weight, which is removed. Every compact weight of a model is a
-view into two flat buffers (``CompactWeights.values`` / ``.positions``) whose capacity, the total
-number of active weights, never changes: a rewiring rewrites entries and moves layer boundaries in
-place, so nothing is reallocated.
+  - ``<name>_columns``: the k column indices, int16 (2 bytes per active entry);
+  - ``<name>_row_starts``: int64, ceil(numel / ROW) + 1 of them, row r's entries being
+    ``values[row_starts[r]:row_starts[r + 1]]`` (8 bytes per 2^15 dense entries).
+
+Why these rows rather than the weight's own (output channels): with a fixed row length every column
+index fits in 16 bits whatever the weight's shape (a Linear of 100,000 inputs too), so no layer needs a
+wider fallback; and signed int16 (not uint16, to which torch cannot add) adds to an int64 position
+without a conversion pass. Resnet18 at density 0.3 holds 6.7 MB of int16 columns where flat int32
+positions took 13.4 MB (the report's accounting, ``lowmem.profiler.state``, counts ceil(log2 columns)
+bits per index of the weight's own rows: 13 bits there, so the real bytes stay close to it).
+
+All compact weights of a model are views into three flat buffers (``CompactWeights.values`` /
+``.columns`` / ``.row_starts``) whose sizes never change: the values and columns have one entry per
+active weight (the total never changes), the row starts a fixed number per layer; a rewiring rewrites
+entries and moves layer boundaries in place, so nothing is reallocated.
 
 A layer builds its dense weight when it computes and drops it right after: autograd saves the
 layer's input (and the compact tensors, which are model state), not the dense weight; backward
-builds it again, runs the layer's backward kernels and gathers the weight gradient at the positions.
+builds it again, runs the layer's backward kernels and gathers the weight gradient at the active
+positions. Positions are expanded to flat indices ``CHUNK`` active entries at a time, so building a
+dense weight or gathering its gradient needs at most 512 KiB of index scratch beside the dense tensor.
 The layers: ``nn.Conv2d``, ``nn.Linear`` and ``nn.Embedding`` (their class gains a compact
 forward), and a bare 2-D parameter that the model applies with ``linear(module, name, x)`` (a
 decoder's output projection, say). The state-dict keys change (``conv.weight`` becomes
-``conv.weight_values`` + ``conv.weight_positions``); ``dense_state_dict`` gives the plain form.
+``conv.weight_values`` + ``conv.weight_columns`` + ``conv.weight_row_starts``); ``dense_state_dict``
+gives the plain form. A state dict of the former layout (int32 flat ``<name>_positions``) still
+loads: it is converted on load.
 """
 
 from __future__ import annotations
@@ -32,23 +47,86 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_VALUES, _POSITIONS = "_values", "_positions"
+_VALUES, _COLUMNS, _ROW_STARTS = "_values", "_columns", "_row_starts"
+_INDEX = (_COLUMNS, _ROW_STARTS)  # the buffers that say where the values are
+_FLAT_POSITIONS = "_positions"  # the former layout's int32 flat positions (converted on load)
 _SHAPES = "_compact_shapes"  # module attribute: {weight attribute: dense shape}
 
+ROW = 1 << 15  # entries per row of a flattened weight: every column index fits in int16
+CHUNK = 1 << 16  # active entries whose flat positions are built at once (512 KiB as int64)
 
-# --- building and reading dense weights ------------------------------------------------------------
+
+# --- positions: CSR over rows of ROW entries ----------------------------------------------------------
 
 
-def densify(values: torch.Tensor, positions: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """The dense weight of ``shape``: ``values`` at flat ``positions``, zeros elsewhere (no autograd)."""
+def row_count(numel: int) -> int:
+    """Rows of ``ROW`` entries that a weight of ``numel`` entries is cut into (the last one partial)."""
+    return max(1, -(-numel // ROW))
+
+
+def encode(positions: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(columns, row_starts)`` of strictly increasing flat ``positions`` (any integer dtype) into a
+    weight of ``numel`` entries: int16 columns, one per position, and ``row_count(numel) + 1`` int64
+    row starts."""
+    positions = positions.long()
+    row_starts = positions.new_zeros(row_count(numel) + 1)
+    row_starts[1:] = torch.bincount(positions // ROW, minlength=row_count(numel)).cumsum(0)
+    return (positions % ROW).to(torch.int16), row_starts
+
+
+def flat_positions(
+    columns: torch.Tensor,
+    row_starts: torch.Tensor,
+    start: int = 0,
+    end: int | None = None,
+    dtype: torch.dtype = torch.int64,
+) -> torch.Tensor:
+    """The flat positions of the active entries ``start:end`` (default: all), a new ``dtype`` tensor.
+
+    Every row that starts inside the range adds ``ROW`` from its first entry on (rows starting at
+    or before ``start`` all count from the range's first entry), so one cumulative sum of these
+    marks gives row · ROW; the column is added in place. Sizes depend on ``start``/``end`` only: no
+    device synchronisation (CUDA graphs capture it)."""
+    end = columns.numel() if end is None else end
+    count = end - start
+    marks = torch.zeros(count + 1, dtype=dtype, device=columns.device)  # the last slot: rows after the range
+    later_rows = (row_starts[1:-1] - start).clamp_(0, count)
+    marks.index_add_(0, later_rows, marks.new_full((1,), ROW).expand(later_rows.numel()))
+    return marks[:count].cumsum_(0).add_(columns[start:end])
+
+
+def _chunks(count: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, count, CHUNK):
+        yield start, min(start + CHUNK, count)
+
+
+def densify(
+    values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, shape: Sequence[int]
+) -> torch.Tensor:
+    """The dense weight of ``shape``: ``values`` at their positions, zeros elsewhere (no autograd)."""
     dense = values.new_zeros(math.prod(shape))
-    dense.index_put_((positions,), values)
+    for start, end in _chunks(values.numel()):
+        dense.index_copy_(0, flat_positions(columns, row_starts, start, end), values[start:end])
     return dense.view(shape)
 
 
-def gather(dense_grad: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The entries of ``dense_grad`` at flat ``positions`` (the gradient of the compact values)."""
-    return dense_grad.reshape(-1).index_select(0, positions)
+def gather(
+    dense_grad: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The entries of ``dense_grad`` at the active positions, in ``dtype`` (the compact values'
+    gradient). The indices are int32 where the weight allows (half the scratch of int64)."""
+    flat = dense_grad.reshape(-1)
+    index_dtype = torch.int32 if flat.numel() <= torch.iinfo(torch.int32).max else torch.int64
+    # Made like the columns (model state): activation profilers see a weight gradient, not an activation's.
+    out = torch.empty_like(columns, dtype=dtype, device=flat.device)
+    for start, end in _chunks(columns.numel()):
+        index = flat_positions(columns, row_starts, start, end, index_dtype)
+        if dtype == flat.dtype:
+            torch.index_select(flat, 0, index, out=out[start:end])
+        else:
+            out[start:end] = flat.index_select(0, index)
+        del index  # before the next chunk's is built
+    return out
 
 
 def is_compact(module: nn.Module, name: str) -> bool:
@@ -67,7 +145,7 @@ def dense_weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
     if not is_compact(module, name):
         return getattr(module, name)
     with torch.no_grad():
-        return densify(_values(module, name), _positions(module, name), getattr(module, _SHAPES)[name])
+        return densify(_values(module, name), *_index(module, name), getattr(module, _SHAPES)[name])
 
 
 def trained_weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
@@ -79,8 +157,9 @@ def _values(module: nn.Module, name: str) -> torch.Tensor:
     return getattr(module, name + _VALUES)
 
 
-def _positions(module: nn.Module, name: str) -> torch.Tensor:
-    return getattr(module, name + _POSITIONS)
+def _index(module: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(columns, row_starts) of compact weight ``name``."""
+    return getattr(module, name + _COLUMNS), getattr(module, name + _ROW_STARTS)
 
 
 # --- the layers' computations ------------------------------------------------------------------
@@ -112,9 +191,9 @@ def conv2d_backward(
         return torch.ops.aten.convolution_backward(grad_output, x, weight, bias_shape, *args, list(wanted))
     grad_x = grad_values = grad_bias = None
     shape = conv.compact_shape("weight")
-    positions = _positions(conv, "weight")
+    index = _index(conv, "weight")
     if need_x:
-        weight = _dtype_for(grad_output, densify(trained, positions, shape))
+        weight = _dtype_for(grad_output, densify(trained, *index, shape))
         grad_x = torch.ops.aten.convolution_backward(grad_output, x, weight, None, *args, [True, False, False])[0]
         del weight
     if need_weight or need_bias:
@@ -123,75 +202,75 @@ def conv2d_backward(
             grad_output, x, shape_only, bias_shape, *args, [False, need_weight, need_bias]
         )
         if grad_weight is not None:
-            grad_values = gather(grad_weight, positions).to(trained.dtype)
+            grad_values = gather(grad_weight, *index, trained.dtype)
     return grad_x, grad_values, grad_bias
 
 
 class _CompactConv2d(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, values, positions, bias, conv):
+    def forward(ctx, x, values, columns, row_starts, bias, conv):
         ctx.conv, ctx.bias_shape = conv, None if bias is None else bias.shape
-        ctx.save_for_backward(x, values, positions)
-        weight = densify(values, positions, conv.compact_shape("weight"))
+        ctx.save_for_backward(x, values, columns, row_starts)
+        weight = densify(values, columns, row_starts, conv.compact_shape("weight"))
         return F.conv2d(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, values, _ = ctx.saved_tensors
-        wanted = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
+        x, values, _, _ = ctx.saved_tensors
+        wanted = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4])
         grad_x, grad_values, grad_bias = conv2d_backward(ctx.conv, grad_output, x, values, ctx.bias_shape, wanted)
-        return grad_x, grad_values, None, grad_bias, None
+        return grad_x, grad_values, None, None, grad_bias, None
 
 
 class _CompactLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, values, positions, bias, shape):
+    def forward(ctx, x, values, columns, row_starts, bias, shape):
         ctx.shape = shape
-        ctx.save_for_backward(x, values, positions)
-        return F.linear(x, densify(values, positions, shape), bias)
+        ctx.save_for_backward(x, values, columns, row_starts)
+        return F.linear(x, densify(values, columns, row_starts, shape), bias)
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, values, positions = ctx.saved_tensors
+        x, values, columns, row_starts = ctx.saved_tensors
         grad_x = grad_values = grad_bias = None
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         if ctx.needs_input_grad[0]:
-            weight = _dtype_for(grad_output, densify(values, positions, ctx.shape))
+            weight = _dtype_for(grad_output, densify(values, columns, row_starts, ctx.shape))
             grad_x = grad_output.matmul(weight)
             del weight
         if ctx.needs_input_grad[1]:
             x_2d = _dtype_for(grad_output, x).reshape(-1, x.shape[-1])
-            grad_values = gather(grad_2d.t().mm(x_2d), positions).to(values.dtype)
-        if ctx.needs_input_grad[3]:
+            grad_values = gather(grad_2d.t().mm(x_2d), columns, row_starts, values.dtype)
+        if ctx.needs_input_grad[4]:
             grad_bias = grad_2d.sum(0)
-        return grad_x, grad_values, None, grad_bias, None
+        return grad_x, grad_values, None, None, grad_bias, None
 
 
 class _CompactEmbedding(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, values, positions, embedding):
+    def forward(ctx, tokens, values, columns, row_starts, embedding):
         ctx.embedding = embedding
-        ctx.save_for_backward(tokens, values, positions)
-        weight = densify(values, positions, embedding.compact_shape("weight"))
+        ctx.save_for_backward(tokens, values, columns, row_starts)
+        weight = densify(values, columns, row_starts, embedding.compact_shape("weight"))
         padding_idx = -1 if embedding.padding_idx is None else embedding.padding_idx
         return torch.ops.aten.embedding(weight, tokens, padding_idx, embedding.scale_grad_by_freq, False)
 
     @staticmethod
     def backward(ctx, grad_output):
-        tokens, values, positions = ctx.saved_tensors
+        tokens, values, columns, row_starts = ctx.saved_tensors
         embedding = ctx.embedding
         padding_idx = -1 if embedding.padding_idx is None else embedding.padding_idx
         grad_weight = torch.ops.aten.embedding_dense_backward(
             grad_output, tokens, embedding.num_embeddings, padding_idx, embedding.scale_grad_by_freq
         )
-        return None, gather(grad_weight, positions).to(values.dtype), None, None
+        return None, gather(grad_weight, columns, row_starts, values.dtype), None, None, None
 
 
 def linear(module: nn.Module, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, module.<name>, bias)`` for a bare weight parameter, compact or dense."""
     if not is_compact(module, name):
         return F.linear(x, getattr(module, name), bias)
-    return _CompactLinear.apply(x, _values(module, name), _positions(module, name), bias, module._compact_shapes[name])
+    return _CompactLinear.apply(x, _values(module, name), *_index(module, name), bias, module._compact_shapes[name])
 
 
 class _CompactModule:
@@ -207,18 +286,18 @@ class _CompactModule:
 
 class CompactConv2d(_CompactModule, nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _CompactConv2d.apply(x, self.weight_values, self.weight_positions, self.bias, self)
+        return _CompactConv2d.apply(x, self.weight_values, *_index(self, "weight"), self.bias, self)
 
 
 class CompactLinear(_CompactModule, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.compact_shape("weight")
-        return _CompactLinear.apply(x, self.weight_values, self.weight_positions, self.bias, shape)
+        return _CompactLinear.apply(x, self.weight_values, *_index(self, "weight"), self.bias, shape)
 
 
 class CompactEmbedding(_CompactModule, nn.Embedding):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return _CompactEmbedding.apply(tokens, self.weight_values, self.weight_positions, self)
+        return _CompactEmbedding.apply(tokens, self.weight_values, *_index(self, "weight"), self)
 
 
 _COMPACT_CLASSES = {nn.Conv2d: CompactConv2d, nn.Linear: CompactLinear, nn.Embedding: CompactEmbedding}
@@ -249,7 +328,7 @@ def check_compactable(module: nn.Module, name: str, qualified: str) -> None:
 
 
 class CompactWeights:
-    """Every compact sparse weight of one model, as views into two flat buffers of fixed capacity.
+    """Every compact sparse weight of one model, as views into three flat buffers of fixed size.
 
     ``names`` are parameter names of ``model`` (``conv1.weight``, ``decoder.embed_out``); ``masks``
     says which entries are active (bool, the weights' shapes). Construction moves the active values
@@ -273,19 +352,30 @@ class CompactWeights:
         self.capacity = sum(p.numel() for p in positions.values())
         (dtype,), (device,) = dtypes, devices
         self.values = torch.empty(self.capacity, dtype=dtype, device=device)
-        self.positions = torch.empty(self.capacity, dtype=torch.int32, device=device)
+        self.columns = torch.empty(self.capacity, dtype=torch.int16, device=device)
+        rows = sum(row_count(dense[name].numel()) + 1 for name in self.names)
+        self.row_starts = torch.empty(rows, dtype=torch.int64, device=device)
         self.counts = [0] * len(self.names)
         with torch.no_grad():
             layers = {name: (positions[name], dense[name].flatten()[positions[name]]) for name in self.names}
             for name, (module, attr) in self._owners.items():
                 _install(module, attr, dense[name].shape)
-            self.relayout(layers)
+            self._store(layers)
 
     # ------------------------------------------------------------------------------------ layers
-    def layer(self, name: str) -> tuple[nn.Parameter, torch.Tensor]:
-        """The values parameter and the positions of weight ``name`` (views into the buffers)."""
+    def values_of(self, name: str) -> nn.Parameter:
+        """The values parameter of weight ``name`` (a view into ``values``)."""
         module, attr = self._owners[name]
-        return _values(module, attr), _positions(module, attr)
+        return _values(module, attr)
+
+    def positions(self, name: str) -> torch.Tensor:
+        """The flat positions of weight ``name``'s active entries, increasing: a new int64 tensor."""
+        module, attr = self._owners[name]
+        return flat_positions(*_index(module, attr))
+
+    def layer(self, name: str) -> tuple[nn.Parameter, torch.Tensor]:
+        """The values parameter and the flat positions (new, int64) of weight ``name``."""
+        return self.values_of(name), self.positions(name)
 
     def shape(self, name: str) -> torch.Size:
         module, attr = self._owners[name]
@@ -301,45 +391,57 @@ class CompactWeights:
 
     def mask(self, name: str) -> torch.Tensor:
         """A new dense bool tensor, True at the active entries of weight ``name``."""
-        _, positions = self.layer(name)
+        positions = self.positions(name)
         mask = torch.zeros(math.prod(self.shape(name)), dtype=torch.bool, device=positions.device)
         return mask.index_put_((positions,), mask.new_ones(())).view(self.shape(name))
 
     @torch.no_grad()
     def relayout(self, layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Store new (positions, values) for every weight, positions strictly increasing, their total
-        at most the capacity; the layers' views move to their new places inside the same buffers
-        (unused capacity, only when a rewiring could not regrow all it pruned, holds zeros)."""
+        """Store new (flat positions, values) for every weight, positions strictly increasing, their
+        total at most the capacity; the layers' views move to their new places inside the same
+        buffers (unused capacity, only when a rewiring could not regrow all it pruned, holds zeros)."""
         self._follow_the_model()
+        self._store(layers)
+
+    def _store(self, layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         total = sum(positions.numel() for positions, _ in layers.values())
         if total > self.capacity:
             raise ValueError(f"compact sparse weights: {total} active entries exceed the capacity {self.capacity}")
         # Stage everything first: a layer's new place may overlap another layer's old one.
+        encoded = [encode(layers[name][0], math.prod(self.shape(name))) for name in self.names]
         staged_values = torch.cat([layers[name][1].to(self.values.dtype) for name in self.names])
-        staged_positions = torch.cat([layers[name][0].to(torch.int32) for name in self.names])
+        self.columns[:total].copy_(torch.cat([columns for columns, _ in encoded]))
+        self.row_starts.copy_(torch.cat([row_starts for _, row_starts in encoded]))
         self.values[:total].copy_(staged_values)
-        self.positions[:total].copy_(staged_positions)
         self.values[total:].zero_()
-        self.positions[total:].zero_()
-        start = 0
-        for index, name in enumerate(self.names):
-            count = layers[name][0].numel()
+        self.columns[total:].zero_()
+        start = row = 0
+        for index, (name, (_, row_starts)) in enumerate(zip(self.names, encoded, strict=True)):
+            count, rows = layers[name][0].numel(), row_starts.numel()
             module, attr = self._owners[name]
             getattr(module, attr + _VALUES).data = self.values[start : start + count]
-            module._buffers[attr + _POSITIONS] = self.positions[start : start + count]
+            module._buffers[attr + _COLUMNS] = self.columns[start : start + count]
+            module._buffers[attr + _ROW_STARTS] = self.row_starts[row : row + rows]
             self.counts[index] = count
             start += count
-
+            row += rows
 
     def _follow_the_model(self) -> None:
         """If the model was cast or moved since (``model.to(...)`` gives every parameter and buffer
         storage of its own), make buffers of the new dtype and device hold the layers again."""
-        values, positions = zip(*(self.layer(name) for name in self.names), strict=True)
-        if all(v.untyped_storage().data_ptr() == self.values.untyped_storage().data_ptr() for v in values):
+        layers = [(self.values_of(name), *_index(*self._owners[name])) for name in self.names]
+        buffers = (self.values, self.columns, self.row_starts)
+        if all(
+            tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            for layer in layers
+            for tensor, buffer in zip(layer, buffers, strict=True)
+        ):
             return
-        used = sum(self.counts)
-        self.values = torch.cat([*(v.detach() for v in values), values[0].new_zeros(self.capacity - used)])
-        self.positions = torch.cat([*positions, positions[0].new_zeros(self.capacity - used)])
+        values, columns, row_starts = zip(*layers, strict=True)
+        unused = self.capacity - sum(self.counts)
+        self.values = torch.cat([*(v.detach() for v in values), values[0].new_zeros(unused)])
+        self.columns = torch.cat([*columns, columns[0].new_zeros(unused)])
+        self.row_starts = torch.cat(row_starts)
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -348,14 +450,18 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 def _install(module: nn.Module, attr: str, shape: torch.Size) -> None:
-    """Replace ``module.<attr>`` (a dense parameter) by an (empty, for now) compact pair."""
+    """Replace ``module.<attr>`` (a dense parameter) by an (empty, for now) compact triple."""
     dense = module._parameters[attr]
     shapes = dict(getattr(module, _SHAPES, {}))
     shapes[attr] = torch.Size(shape)
     object.__setattr__(module, _SHAPES, shapes)
     values = nn.Parameter(dense.new_empty(0), requires_grad=dense.requires_grad)
     _replace_in_order(module._parameters, attr, attr + _VALUES, values)  # state-dict keys keep their order
-    module.register_buffer(attr + _POSITIONS, torch.empty(0, dtype=torch.int32, device=dense.device))
+    module.register_buffer(attr + _COLUMNS, torch.empty(0, dtype=torch.int16, device=dense.device))
+    module.register_buffer(attr + _ROW_STARTS, torch.empty(0, dtype=torch.int64, device=dense.device))
+    if not getattr(module, "_lowmem_converts_flat_positions", False):
+        module.register_load_state_dict_pre_hook(_load_flat_positions)
+        object.__setattr__(module, "_lowmem_converts_flat_positions", True)
     compact_class = _COMPACT_CLASSES.get(type(module))
     if attr == "weight" and compact_class is not None:
         module.__class__ = compact_class
@@ -369,7 +475,8 @@ def _replace_in_order(table: dict, old: str, new: str, value: object) -> None:
 
 def _uninstall(module: nn.Module, attr: str, weight: torch.Tensor) -> None:
     _replace_in_order(module._parameters, attr + _VALUES, attr, nn.Parameter(weight))
-    del module._buffers[attr + _POSITIONS]
+    for suffix in _INDEX:
+        del module._buffers[attr + suffix]
     shapes = dict(getattr(module, _SHAPES))
     del shapes[attr]
     object.__setattr__(module, _SHAPES, shapes)
@@ -377,11 +484,45 @@ def _uninstall(module: nn.Module, attr: str, weight: torch.Tensor) -> None:
         module.__class__ = _DENSE_CLASSES[type(module)]
 
 
+def _load_flat_positions(module: nn.Module, state: dict, prefix: str, *args: object) -> None:
+    """A state dict of the former layout (``<name>_positions``: int32 flat positions) loads: its
+    positions become this layout's columns and row starts."""
+    for attr, shape in compact_names(module).items():
+        key = prefix + attr + _FLAT_POSITIONS
+        if key in state:
+            columns, row_starts = encode(state.pop(key), math.prod(shape))
+            state[prefix + attr + _COLUMNS], state[prefix + attr + _ROW_STARTS] = columns, row_starts
+
+
 def compact_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
     """(module prefix, module, weight attribute) of every compact weight of ``model``."""
     for prefix, module in model.named_modules():
         for attr in compact_names(module):
             yield prefix, module, attr
+
+
+def index_buffer_names(model: nn.Module) -> list[str]:
+    """The names in ``model.named_buffers()`` of every compact weight's columns and row starts: state
+    every data-parallel rank derives alike (the seeded masks), which DistributedDataParallel should not
+    broadcast (int16, which gloo and NCCL do not carry)."""
+    return [
+        f"{prefix}.{attr}{suffix}" if prefix else attr + suffix
+        for prefix, _, attr in compact_modules(model)
+        for suffix in _INDEX
+    ]
+
+
+def _dense_keys_in_place(state: dict, dense: dict[str, tuple[str, torch.Tensor]]) -> dict:
+    """``state`` with each compact weight's entries replaced, in place of its values, by its dense
+    tensor under its own key: ``dense`` maps ``<key>_values`` to ``(key, dense tensor)``."""
+    out = {}
+    for key, value in state.items():
+        if key in dense:
+            name, weight = dense[key]
+            out[name] = weight
+        elif not any(key.endswith(suffix) and key[: -len(suffix)] + _VALUES in dense for suffix in _INDEX):
+            out[key] = value
+    return out
 
 
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -395,14 +536,7 @@ def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for prefix, module, attr in compact_modules(model):
         key = f"{prefix}.{attr}" if prefix else attr
         dense[key + _VALUES] = (key, dense_weight(module, attr).detach().to("cpu", copy=True))
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        if key in dense:
-            name, weight = dense[key]
-            out[name] = weight
-        elif not (key.endswith(_POSITIONS) and key[: -len(_POSITIONS)] + _VALUES in dense):
-            out[key] = value
-    return out
+    return _dense_keys_in_place(state, dense)
 
 
 def dense_copy(model: nn.Module) -> nn.Module:
@@ -421,7 +555,7 @@ _RAW_KEYS = [0]  # > 0 inside compact_state_dict_keys()
 @contextlib.contextmanager
 def compact_state_dict_keys() -> Iterator[None]:
     """Inside, a model given ``use_dense_keys`` saves and loads its compact entries as they are
-    (``<name>_values`` / ``<name>_positions``): what a resumable checkpoint needs."""
+    (``<name>_values`` / ``<name>_columns`` / ``<name>_row_starts``): what a resumable checkpoint needs."""
     _RAW_KEYS[0] += 1
     try:
         yield
@@ -450,14 +584,9 @@ def _save_dense_keys(model: nn.Module, state: dict, prefix: str, local_metadata:
         dense[key + _VALUES] = (key, dense_weight(module, attr).detach())
     if not dense:
         return
-    items = list(state.items())
+    items = _dense_keys_in_place(state, dense)
     state.clear()
-    for key, value in items:
-        if key in dense:
-            name, weight = dense[key]
-            state[name] = weight
-        elif not (key.endswith(_POSITIONS) and key[: -len(_POSITIONS)] + _VALUES in dense):
-            state[key] = value
+    state.update(items)
 
 
 def _load_dense_keys(model: nn.Module, state: dict, prefix: str, *args: object) -> None:
@@ -468,12 +597,13 @@ def _load_dense_keys(model: nn.Module, state: dict, prefix: str, *args: object) 
         if key not in state:
             continue
         weight = state.pop(key).reshape(-1)
-        positions = _positions(module, attr)
-        values = weight.index_select(0, positions.to(weight.device).long())
+        columns, row_starts = _index(module, attr)
+        values = weight.index_select(0, flat_positions(columns, row_starts).to(weight.device))
         if int(weight.count_nonzero()) != int(values.count_nonzero()):
             raise ValueError(
                 f"load_state_dict: {key} has nonzero entries outside the sparse weight's active positions "
                 "(a dense weight loads into a sparse model only where the model's mask is active)"
             )
         state[key + _VALUES] = values
-        state[key + _POSITIONS] = positions.detach().clone()
+        state[key + _COLUMNS] = columns.detach().clone()
+        state[key + _ROW_STARTS] = row_starts.detach().clone()

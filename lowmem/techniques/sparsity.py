@@ -192,7 +192,8 @@ class DynamicSparsity:
     - ``"compact"`` (default): its active values and their positions only
       (``lowmem.techniques.compact``): the dense weight exists only while its layer computes, and
       gradients and optimizer state exist for the active entries only. The dense parameter
-      ``<name>`` of the model becomes ``<name>_values`` (trained) and ``<name>_positions``.
+      ``<name>`` of the model becomes ``<name>_values`` (trained) and its positions,
+      ``<name>_columns`` (int16) and ``<name>_row_starts``.
     - ``"masked"``: the report's simulation, a dense weight holding exact zeros outside a bool
       mask; gradients are masked after backward (``mask_gradients``).
 
@@ -301,7 +302,7 @@ class DynamicSparsity:
     def mask_checksum(self) -> int:
         """An exact fingerprint of the active positions (sum of active flat positions, layer-weighted):
         data-parallel ranks compare it after every rewiring."""
-        sums = [positions.sum(dtype=torch.int64) * layer for layer, positions in enumerate(self._positions(), start=1)]
+        sums = [self._active_positions(name).sum() * layer for layer, name in enumerate(self._names, start=1)]
         return int(torch.stack(sums).sum())
 
     def layer_density(self) -> dict[str, float]:
@@ -351,12 +352,14 @@ class DynamicSparsity:
         Returns ``{"rewire_step", "pruned" (K), "regrown", "target" (N_p), "threshold" (H used),
         "next_threshold", "density", "layer_density"}``.
         """
-        actives = [self._active(name) for name in self._names]  # (flat positions, values) per weight
+        # The active values per weight, in increasing order of flat position (their positions are
+        # built per weight where needed, not for all weights at once).
+        actives = [self._active_values(name) for name in self._names]
         # 1. Global magnitude prune. Compare in FP32 so FP16/BF16 weights meet the same threshold.
-        keep = [values.abs().float() >= self.threshold for _, values in actives]
+        keep = [values.abs().float() >= self.threshold for values in actives]
         pruned = torch.stack([k.logical_not().sum() for k in keep]).tolist()  # one device sync for all
-        active = [len(values) for _, values in actives]
-        for i, (_, values) in enumerate(actives):
+        active = [len(values) for values in actives]
+        for i, values in enumerate(actives):
             if active[i] > 0 and pruned[i] == active[i]:  # the layer would vanish: keep its largest weight
                 keep[i][values.abs().float().argmax()] = True
                 pruned[i] -= 1
@@ -371,9 +374,11 @@ class DynamicSparsity:
             generator=self._generator,
         )
         regrown = []
-        for name, (positions, _), quota in zip(self._names, actives, quotas, strict=True):
-            mask = self._dense_mask(name, positions)
-            regrown.append(sample_inactive(mask, quota, self._generator) if quota > 0 else positions[:0])
+        for name, values, quota in zip(self._names, actives, quotas, strict=True):
+            if quota > 0:
+                regrown.append(sample_inactive(self._dense_mask(name), quota, self._generator))
+            else:
+                regrown.append(torch.empty(0, dtype=torch.long, device=values.device))
         # New weights start at 0; 3. optimizer state is reset wherever the weight is inactive or new.
         if self.compact is not None:
             self._commit_compact(actives, keep, regrown, optimizer)
@@ -398,10 +403,10 @@ class DynamicSparsity:
         }
 
     def _commit_masked(self, actives, keep, regrown, optimizer) -> None:
-        for name, (positions, _), kept, new in zip(self._names, actives, keep, regrown, strict=True):
+        for name, kept, new in zip(self._names, keep, regrown, strict=True):
             weight = self.model.get_parameter(name)
             inactive = self._on_device(name, weight)
-            pruned_here = positions[kept.logical_not()]
+            pruned_here = self._active_positions(name)[kept.logical_not()]
             inactive.view(-1)[pruned_here] = True  # now: inactive after pruning, before regrowth
             weight.view(-1)[pruned_here] = 0
             if optimizer is not None:
@@ -410,18 +415,20 @@ class DynamicSparsity:
 
     def _commit_compact(self, actives, keep, regrown, optimizer) -> None:
         layers = {}
-        for name, (positions, values), kept, new in zip(self._names, actives, keep, regrown, strict=True):
+        for name, values, kept, new in zip(self._names, actives, keep, regrown, strict=True):
             kept_from = kept.nonzero().squeeze(1)
-            merged, order = torch.cat([positions[kept_from].long(), new.long()]).sort()
-            layers[name] = (merged, torch.cat([values[kept_from], values.new_zeros(len(new))])[order])
+            merged, order = torch.cat([self.compact.positions(name)[kept_from], new.long()]).sort()
+            # Held for every weight until the relayout: int32 where the weight allows.
+            narrow = merged.int() if math.prod(self._shapes[name]) <= torch.iinfo(torch.int32).max else merged
+            layers[name] = (narrow, torch.cat([values[kept_from], values.new_zeros(len(new))])[order])
             if optimizer is not None:
                 where = torch.empty_like(order)
                 where[order] = torch.arange(len(order), device=order.device)
-                param, _ = self.compact.layer(name)
+                param = self.compact.values_of(name)
                 remap_optimizer_state(optimizer, param, kept_from, where[: len(kept_from)], len(order))
         self.compact.relayout(layers)
         for name in self._names:  # the step's gradients belong to the old layout
-            self.compact.layer(name)[0].grad = None
+            self.compact.values_of(name).grad = None
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -459,7 +466,7 @@ class DynamicSparsity:
                     f"sparsity checkpoint holds {total:,} active weights, this model holds {self.compact.capacity:,} "
                     f"(sparsity.density={self.density}): resume with the checkpoint's sparsity.density"
                 )
-            device = self.compact.positions.device
+            device = self.compact.columns.device
             self.compact.relayout(
                 {
                     name: (torch.zeros(int(saved[name]), dtype=torch.int32, device=device),
@@ -484,17 +491,19 @@ class DynamicSparsity:
         self._generator.set_state(state["generator"].cpu())  # a CPU generator: a CPU byte tensor
 
     # --------------------------------------------------------------------------------- helpers
-    def _active(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat positions (increasing) and values of the active entries of weight ``name``."""
+    def _active_values(self, name: str) -> torch.Tensor:
+        """The values of the active entries of weight ``name``, in increasing order of flat position."""
         if self.compact is not None:
-            values, positions = self.compact.layer(name)
-            return positions, values.detach()
+            return self.compact.values_of(name).detach()
         weight = self.model.get_parameter(name)
-        positions = self._on_device(name, weight).view(-1).logical_not().nonzero().squeeze(1)
-        return positions, weight.detach().view(-1)[positions]
+        return weight.detach().view(-1)[self._on_device(name, weight).view(-1).logical_not()]
 
-    def _positions(self) -> list[torch.Tensor]:
-        return [self._active(name)[0] for name in self._names]
+    def _active_positions(self, name: str) -> torch.Tensor:
+        """The flat positions (increasing, int64) of the active entries of weight ``name``: a new tensor."""
+        if self.compact is not None:
+            return self.compact.positions(name)
+        weight = self.model.get_parameter(name)
+        return self._on_device(name, weight).view(-1).logical_not().nonzero().squeeze(1)
 
     def _active_counts(self) -> list[int]:
         if self.compact is not None:
@@ -502,7 +511,7 @@ class DynamicSparsity:
         sizes = torch.stack([inactive.logical_not().sum() for inactive in self._inactive.values()])
         return sizes.tolist()
 
-    def _dense_mask(self, name: str, positions: torch.Tensor) -> torch.Tensor:
+    def _dense_mask(self, name: str) -> torch.Tensor:
         """A dense bool of the active entries (masked storage: built from its inactive mask)."""
         if self.compact is not None:
             return self.compact.mask(name)
