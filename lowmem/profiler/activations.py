@@ -59,7 +59,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 # Autograd nodes whose own saved tensor is only needed as a sign mask (1 bit per element).
@@ -68,6 +68,9 @@ _ONE_BIT_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
 _HOOKED = "lowmem_activation_hooks"
 _FROM_STATE = "lowmem_from_model_state"
 CATEGORIES = ("saved", "recomputed", "gradient")
+# The device query C++ code sends through the dispatch modes for every fake tensor it checks (most
+# of a fake pass's calls, chiefly the autograd engine's): answered at once, as the fake mode would.
+_DEVICE_QUERY = torch.ops.prim.device.default
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,20 @@ class ActivationTrace:
     peak_location: str  # last aten op (forward) or the autograd node running (backward)
     saved_tensors: int  # tensors packed by autograd (parameters and buffers not included)
     flops: int  # of everything run: forward, backward, recomputation (torch.utils.flop_counter's formulas)
+
+
+def op_tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors of an op's arguments or results (tensors, lists and tuples of them, dicts of
+    keyword arguments): ``tree_leaves`` for the structures ops take, without its per-op cost."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    found: list[torch.Tensor] = []
+    for item in tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list | tuple) else ():
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, list | tuple | dict):
+            found.extend(op_tensors(item))
+    return found
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -300,8 +317,10 @@ class ActivationTracer(TorchDispatchMode):
 
     # --- every op: gradient hooks, model-state tracking, recomputation ------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE_QUERY:  # reads no data, makes no tensor: a fake tensor answers itself
+            return args[0].device if isinstance(args[0], FakeTensor) else func(*args)
         kwargs = kwargs or {}
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = op_tensors((args, kwargs))
         for tensor in inputs:
             if tensor.grad_fn is not None:
                 self._hook_node(tensor.grad_fn, tensor)
@@ -311,7 +330,7 @@ class ActivationTracer(TorchDispatchMode):
         count_flops = flop_registry.get(func.overloadpacket)
         if count_flops is not None:
             self.flops += count_flops(*args, **kwargs, out_val=out)
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outputs = op_tensors(out)
         if not outputs or func is torch.ops.aten.detach.default:  # the pack hook's own detach
             return out
         # A new storage: not a view (of an input, or of real data a fake pass converted) nor in place.
@@ -447,6 +466,10 @@ class ActivationTracer(TorchDispatchMode):
 # without a GPU do not reproduce. CPU stand-ins give every device the same figure.
 
 
+def _is_cpu_fake(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, FakeTensor) and tensor.device.type == "cpu"
+
+
 def cpu_fake(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
     """A fake CPU tensor of ``mode`` standing for ``tensor`` (same shape, strides and dtype).
 
@@ -473,7 +496,7 @@ class _OnCpuStandIns(TorchDispatchMode):
         self._finalizers: list[weakref.finalize] = []
 
     def convert(self, tensor: torch.Tensor) -> torch.Tensor:
-        if isinstance(tensor, FakeTensor) and tensor.device.type == "cpu":
+        if _is_cpu_fake(tensor):
             return tensor
         key = id(tensor)
         if key not in self.stand_ins:
@@ -482,7 +505,11 @@ class _OnCpuStandIns(TorchDispatchMode):
         return self.stand_ins[key]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        args, kwargs = tree_map_only(torch.Tensor, self.convert, (args, kwargs or {}))
+        if func is _DEVICE_QUERY:
+            return func(*args)
+        kwargs = kwargs or {}
+        if not all(_is_cpu_fake(t) for t in op_tensors((args, kwargs))):
+            args, kwargs = tree_map_only(torch.Tensor, self.convert, (args, kwargs))
         return func(*args, **kwargs)
 
     def __exit__(self, *exc) -> None:
