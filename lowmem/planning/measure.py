@@ -11,20 +11,22 @@ what ``lowmem.profile`` accounts) on the first minibatch, every figure through
    head's backward); with the output's gradient passed on to the stack's input as zeros (the
    backward of what precedes the stacks runs too), its FLOPs less the blocks' forwards are the
    rest's.
-2. per stack, the same pass stopped where the stack starts: what forward holds outside the stacks
-   while it runs (``held_outside``).
+2. per stack, the peak of that pass so far where the stack starts: what forward holds outside the
+   stacks while it runs (``held_outside``; read off the pass as it reaches each stack).
 3. every distinct block (same module, parameters, input and context shapes) alone, once per way it
    can run: stored with and without BN-ReLU recomputation, and as a one-block checkpointed segment
    ``all_at_once`` and ``recursively``, from a fake input, backward from a fake gradient.
 
 Several microbatch shapes (translation's token microbatches) are measured one by one and merged:
 bytes take the largest (so the modelled peak bounds every shape's), FLOPs add up over the
-minibatch. Measuring WRN-28-2 takes about a second; the model and its recorded inputs stay the
-trainer's, and every stack runs plainly afterwards (apply a schedule).
+minibatch. Every pass of one shape runs on one set of fake parameters (``FakePasses``). Measuring
+WRN-28-2 takes about a second; the model and its recorded inputs stay the trainer's, and every
+stack runs plainly afterwards (apply a schedule).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -33,9 +35,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lowmem.planning.schedule import BlockCosts, ChainCosts
-from lowmem.profiler import ActivationTrace, account_activations
+from lowmem.profiler import ActivationTrace, ActivationTracer
+from lowmem.profiler.activations import cpu_fake, maybe_fake, model_state
 from lowmem.profiler.step import distinct_microbatches
 from lowmem.residual import residual_stacks, routes_norm_relu_conv, run_sequentially, set_block_executor
 from lowmem.techniques.chains import find_block_chains, install_chains, installed_runners
@@ -92,24 +96,66 @@ def _made(item: Any) -> Any:
     return item.make() if isinstance(item, _TensorSpec) else item
 
 
-class _StackReached(Exception):
-    """Raised by the recording executor where a measuring pass stops."""
+class FakePasses:
+    """``account_activations(run, model, inputs=...)`` for several passes in a row over one model:
+    its fake parameters and buffers are made once (``maybe_fake``), not once a pass (~60 ms for
+    DynamicConv's 245 tensors). Each pass has its own tracer and starts, as a pass of its own
+    would, with no gradient on the fake parameters or inputs: the figures are the same."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> FakePasses:
+        self.mode = self._stack.enter_context(maybe_fake(self.model, True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def tracer(self) -> ActivationTracer:
+        return ActivationTracer(exclude=model_state(self.model))
+
+    def account(
+        self, run: Callable[..., object], inputs: Any = None, tracer: ActivationTracer | None = None
+    ) -> ActivationTrace:
+        """``run(inputs)`` (fake CPU stand-ins of ``inputs``' tensors) or ``run()``, traced."""
+        tracer = self.tracer() if tracer is None else tracer
+        fake_inputs = None if inputs is None else tree_map_only(torch.Tensor, self._fake, inputs)
+        try:
+            with tracer:
+                run() if inputs is None else run(fake_inputs)
+        finally:
+            for tensor in [*self.model.parameters(), *tree_leaves(fake_inputs)]:
+                if isinstance(tensor, torch.Tensor):
+                    tensor.grad = None
+        return tracer.trace
+
+    def _fake(self, tensor: torch.Tensor) -> torch.Tensor:
+        return cpu_fake(self.mode, tensor)
 
 
 class _Recorder:
-    """Block executor of a measuring pass (see the module docstring, steps 1 and 2)."""
+    """Block executor of a measuring pass (see the module docstring, steps 1 and 2).
 
-    def __init__(self, stop_at: int | None = None, backprop_before: bool = False) -> None:
+    peak: the pass's activation peak so far (``held_outside`` is read off it as each stack starts).
+    """
+
+    def __init__(self, backprop_before: bool = False, peak: Callable[[], int] | None = None) -> None:
         self.calls: list[_StackCall] = []
         self.kept: list[torch.Tensor] = []
+        self.held_at_start: list[int] = []  # per stack call, in forward order: the pass's peak so far
         self._open: tuple[_StackCall, bool] | None = None  # a chain's call being recorded
         self._last: torch.Tensor | None = None  # the chain's last block output
-        self.stop_at = stop_at
         self.backprop_before = backprop_before  # run the backward of what comes before the stacks
+        self.peak = peak
+
+    def _stack_starts(self) -> None:
+        if self.peak is not None:
+            self.held_at_start.append(self.peak())
 
     def run(self, stack: int, blocks: Sequence[nn.Module], x: torch.Tensor, context: tuple) -> torch.Tensor:
-        if len(self.calls) == self.stop_at:
-            raise _StackReached
+        self._stack_starts()
         if not torch.is_grad_enabled():
             raise RuntimeError("measuring checkpoint costs needs a training step with autograd on")
         self.kept.append(x)  # the graph before the stack stays alive, as in the real step
@@ -139,16 +185,18 @@ class _Recorder:
         if not isinstance(x, torch.Tensor):
             raise ValueError("checkpointing.strategy=optimal needs blocks whose first argument is a tensor")
         if index == 0:
-            if len(self.calls) == self.stop_at:
-                raise _StackReached
+            self._stack_starts()
             if not torch.is_grad_enabled():
                 raise RuntimeError("measuring checkpoint costs needs a training step with autograd on")
             self.kept.append(x)
             device = x.device.type
             autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
             self._open = (_StackCall(stack, [], [], autocast, []), x.requires_grad)
-        elif self._open is None or self._open[0].stack != stack or len(self._open[0].inputs) != index or (
-            self._last is not x
+        elif (
+            self._open is None
+            or self._open[0].stack != stack
+            or len(self._open[0].inputs) != index
+            or (self._last is not x)
         ):
             raise ValueError(
                 f"checkpointing.strategy=optimal needs each chain's blocks called one after another, each on the "
@@ -184,13 +232,16 @@ class _Bridge(torch.autograd.Function):
         return torch.zeros(ctx.input_shape, dtype=ctx.input_dtype, device=ctx.input_device), None
 
 
-def measure_chain(trainer: Any) -> ChainCosts:
+def measure_chain(trainer: Any, outside_flops: bool = True) -> ChainCosts:
     """The DP's figures for ``trainer``'s first minibatch (see the module docstring).
 
     trainer: a ``lowmem.trainer.Trainer`` (only ``unwrapped_model``, ``example_batch``,
         ``microbatches`` and ``microbatch_backward`` are used: the planner does not import it).
         Its model declares residual stacks, or has chains of blocks installed
         (``lowmem.techniques.chains``); one without either gets them detected here.
+    outside_flops: also measure the FLOPs outside the stacks (one more fake pass per microbatch
+        shape); without, ``ChainCosts.outside_flops`` is 0 and the plans' ``flops`` leave them out.
+        They add the same to every schedule: the DP chooses the same ones either way.
     """
     model = trainer.unwrapped_model
     if not residual_stacks(model) and not installed_runners(model):
@@ -198,7 +249,9 @@ def measure_chain(trainer: Any) -> ChainCosts:
     model.train()
     distinct = distinct_microbatches(trainer, trainer.example_batch())
     try:
-        chains = [(_measure_microbatch(trainer, part, weight), count) for part, weight, count in distinct]
+        chains = [
+            (_measure_microbatch(trainer, part, weight, outside_flops), count) for part, weight, count in distinct
+        ]
     finally:
         _record_with(model, None)
         apply_checkpointing(model, "none")
@@ -223,47 +276,46 @@ def _record_with(model: nn.Module, recorder: _Recorder | None) -> None:
             runner.observer = None if recorder is None else functools.partial(recorder.observe, index)
 
 
-def _step(trainer: Any, weight: float, part: Any) -> None:
-    try:
-        trainer.microbatch_backward(part, weight, local=True)
-    except _StackReached:
-        pass
-
-
-def _measure_microbatch(trainer: Any, part: Any, weight: float) -> ChainCosts:
+def _measure_microbatch(trainer: Any, part: Any, weight: float, outside_flops: bool) -> ChainCosts:
     model = trainer.unwrapped_model
     stacks = _stacks(model)
-    step = functools.partial(_step, trainer, weight)
+    step = functools.partial(trainer.microbatch_backward, weight=weight, local=True)
+    with FakePasses(model) as passes:
 
-    def recorded_pass(stop_at: int | None, backprop_before: bool = False) -> tuple[ActivationTrace, _Recorder]:
-        recorder = _Recorder(stop_at, backprop_before)
-        _record_with(model, recorder)
-        return account_activations(step, model, inputs=part), recorder
+        def recorded_pass(backprop_before: bool) -> tuple[ActivationTrace, _Recorder]:
+            tracer = passes.tracer()
+            recorder = _Recorder(backprop_before, peak=lambda: tracer.trace.activation_bytes)
+            _record_with(model, recorder)
+            return passes.account(step, part, tracer), recorder
 
-    whole, recorder = recorded_pass(None, backprop_before=True)  # FLOPs: the whole step but the stacks
-    # Memory: without the backward of what comes before the stacks, which runs after theirs, when
-    # they hold nothing (it is block 0's moment: its incoming gradient leaves it), so the stacks'
-    # stored bytes never sit on top of it.
-    outside_peak = recorded_pass(None)[0].activation_bytes
-    calls = recorder.calls
-    if sorted(call.stack for call in calls) != list(range(len(stacks))):
-        raise ValueError("checkpointing.strategy=optimal needs every residual stack to run exactly once per forward")
-    held_outside = tuple(recorded_pass(position)[0].activation_bytes for position in range(len(calls)))
-    _record_with(model, None)
-    apply_checkpointing(model, "none")
-    measured: dict[tuple, BlockCosts] = {}
-    blocks = []
-    for call in calls:
-        for index, block in enumerate(stacks[call.stack]):
-            key = _signature(block, call, index)
-            if key not in measured:
-                measured[key] = _measure_block(block, call, index)
-            blocks.append(measured[key])
+        # Memory: without the backward of what comes before the stacks, which runs after theirs,
+        # when they hold nothing (it is block 0's moment: its incoming gradient leaves it), so the
+        # stacks' stored bytes never sit on top of it.
+        outside, recorder = recorded_pass(backprop_before=False)
+        # FLOPs: the whole step but the stacks.
+        whole = recorded_pass(backprop_before=True)[0] if outside_flops else None
+        calls = recorder.calls
+        if sorted(call.stack for call in calls) != list(range(len(stacks))):
+            raise ValueError(
+                "checkpointing.strategy=optimal needs every residual stack to run exactly once per forward"
+            )
+        held_outside = tuple(recorder.held_at_start)
+        _record_with(model, None)
+        apply_checkpointing(model, "none")
+        measured: dict[tuple, BlockCosts] = {}
+        blocks = []
+        for call in calls:
+            for index, block in enumerate(stacks[call.stack]):
+                key = _signature(block, call, index)
+                if key not in measured:
+                    measured[key] = _measure_block(block, call, index, passes)
+                blocks.append(measured[key])
+    outside_peak = outside.activation_bytes
     sizes = tuple(len(stacks[call.stack]) for call in calls)
     # The recorded pass ran every block's forward once, without autograd, besides the rest.
-    outside_flops = whole.flops - sum(block.forward_flops for block in blocks)
+    flops = 0 if whole is None else whole.flops - sum(block.forward_flops for block in blocks)
     order = tuple(call.stack for call in calls)
-    return ChainCosts(tuple(blocks), sizes, held_outside, outside_peak, outside_flops, order)
+    return ChainCosts(tuple(blocks), sizes, held_outside, outside_peak, flops, order)
 
 
 def _signature(block: nn.Module, call: _StackCall, index: int) -> tuple:
@@ -284,9 +336,9 @@ class _WithKeywords(nn.Module):
         return self.block(x, *args, **self.keywords)
 
 
-def _measure_block(block: nn.Module, call: _StackCall, index: int) -> BlockCosts:
-    """One block's figures: a fake forward + backward per way it can run (only the block's own
-    parameters and buffers are swapped for fake ones: it reads no other model state)."""
+def _measure_block(block: nn.Module, call: _StackCall, index: int, passes: FakePasses) -> BlockCosts:
+    """One block's figures: a fake forward + backward per way it can run (``passes``: the model's,
+    whose fake parameters the block reads)."""
     spec = call.inputs[index]
 
     def run(segment: Segment) -> Callable[[], None]:
@@ -300,15 +352,16 @@ def _measure_block(block: nn.Module, call: _StackCall, index: int) -> BlockCosts
             out.backward(torch.empty_like(out))
 
         return step
+
     routes = routes_norm_relu_conv(block)
     norms = (False, True) if routes else (False,)
     traces = {
-        (backprop, norm): account_activations(run(Segment(1, backprop, norm)), block)
+        (backprop, norm): passes.account(run(Segment(1, backprop, norm)))
         for backprop in ("stored", "all_at_once")
         for norm in norms
     }
     if routes:
-        traces[("recursively", True)] = account_activations(run(Segment(1, "recursively", True)), block)
+        traces[("recursively", True)] = passes.account(run(Segment(1, "recursively", True)))
     else:  # one block recursively is all_at_once: no input to recompute, no convolution to skip
         traces[("recursively", False)] = traces[("all_at_once", False)]
     stored = traces[("stored", False)]

@@ -18,28 +18,94 @@ prints them for the first minibatch) are at most ``budget_mb``:
 
 Deterministic: the same configuration and minibatch give the same schedule, so ``lowmem.plan``'s
 figures are those a run of its overrides gets.
+
+Every accounting here is ``profile_trainer``'s (``MinibatchAccounting``): activations are the most
+any distinct microbatch shape of the minibatch reaches, FLOPs the minibatch's. Accounted one shape
+at a time, largest first, a schedule can be ruled out for a budget after its first shapes only
+(``CheckpointPlacement.reaches``: how ``lowmem.plan`` rules out microbatch sizes).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from lowmem import distributed
 from lowmem.config import ConfigError
-from lowmem.planning.measure import measure_chain
+from lowmem.planning.measure import FakePasses, measure_chain
 from lowmem.planning.schedule import ChainCosts, Plan, cheapest_plan, describe, smallest_plan
-from lowmem.profiler import MB, profile_trainer
+from lowmem.profiler import MB
+from lowmem.profiler.step import distinct_microbatches
 from lowmem.techniques.chains import ensure_chains
 from lowmem.techniques.checkpointing import Segment, apply_schedule
 
 log = logging.getLogger("lowmem")
 MAX_ACCOUNTINGS = 6  # schedules accounted per budget, after the smallest one
+# A placement whose figures stand for the next trainer's (``reusing_placement``): lowmem.plan's own.
+_REUSED: ContextVar[CheckpointPlacement | None] = ContextVar("lowmem_reused_placement", default=None)
+
+
+@dataclass(frozen=True)
+class Accounted:
+    """Activation bytes (the most of any microbatch) and FLOPs (of those accounted) of a minibatch;
+    not ``complete``: only its first microbatch shapes are accounted, and the bytes exceed the
+    bound asked for (a lower bound of the complete figure)."""
+
+    activation_bytes: int
+    flops: int
+    complete: bool
+
+
+class MinibatchAccounting:
+    """``profile_trainer``'s accounting of a trainer's first minibatch (activation bytes and FLOPs,
+    no state bytes) under any number of checkpoint schedules, one distinct microbatch shape at a
+    time and cached per schedule: a schedule whose largest microbatch already exceeds a bound is
+    known not to fit without accounting the others (translation's token microbatches come in
+    several shapes, each a fake pass through the whole model)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        parts = distinct_microbatches(trainer, trainer.example_batch())
+        # Largest first: the likeliest to exceed a bound.
+        self.parts = sorted(parts, key=lambda entry: -sum(t.numel() for t in _tensors(entry[0])))
+        self._figures: dict[Hashable, list[tuple[int, int]]] = {}  # per shape: activation bytes, FLOPs x count
+
+    def account(self, key: Hashable, apply: Callable[[], object], above: int | None = None) -> Accounted:
+        """The accounting of the schedule ``key`` that ``apply()`` makes the model run; with ``above``,
+        it may stop at the first shape whose activations exceed ``above`` bytes."""
+        figures = self._figures.setdefault(key, [])
+        if len(figures) < len(self.parts) and (above is None or max((a for a, _ in figures), default=0) <= above):
+            apply()
+            trainer = self.trainer
+            trainer.model.train()
+            with _own_random_streams(trainer), FakePasses(trainer.unwrapped_model) as passes:
+                for part, weight, count in self.parts[len(figures) :]:
+                    step = functools.partial(trainer.microbatch_backward, weight=weight, local=True)
+                    trace = passes.account(step, part)
+                    figures.append((trace.activation_bytes, trace.flops * count))
+                    if above is not None and trace.activation_bytes > above:
+                        break
+        complete = len(figures) == len(self.parts)
+        return Accounted(max(a for a, _ in figures), sum(f for _, f in figures), complete)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _own_random_streams(trainer: Any) -> Any:
+    """Fake passes only, but no generator of the run may move because of them."""
+    device = trainer.device
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
 @dataclass(frozen=True)
@@ -88,13 +154,25 @@ class CheckpointPlacement:
         self._costs: ChainCosts | None = None
         self._accounted: dict[str, AccountedSchedule] = {}
         self._smallest: AccountedSchedule | None = None
+        self._smallest_plan: Plan | None = None
+        self._accounting: MinibatchAccounting | None = None
+
+    def moved_to(self, trainer: Any) -> CheckpointPlacement:
+        """This placement's figures standing for ``trainer`` (the same configuration but for the
+        density, which changes no activation), whose model it then applies schedules to."""
+        placement = CheckpointPlacement(trainer)
+        placement._costs, placement._accounted = self._costs, dict(self._accounted)
+        placement._smallest, placement._smallest_plan = self._smallest, self._smallest_plan
+        return placement
 
     @property
     def costs(self) -> ChainCosts:
-        """The per-block figures (measured on first use, ~1 s for WRN-28-2)."""
+        """The per-block figures (measured on first use, ~1 s for WRN-28-2). The FLOPs outside the
+        stacks are not measured (the same for every schedule: the plans' ``flops`` leave them out;
+        every schedule chosen is accounted for real)."""
         if self._costs is None:
-            with self._own_random_streams():
-                self._costs = measure_chain(self.trainer)
+            with _own_random_streams(self.trainer):
+                self._costs = measure_chain(self.trainer, outside_flops=False)
         return self._costs
 
     @property
@@ -105,8 +183,21 @@ class CheckpointPlacement:
     def smallest(self) -> AccountedSchedule:
         """The schedule with the smallest modelled peak, accounted."""
         if self._smallest is None:
-            self._smallest = self._account(smallest_plan(self.costs))
+            self._smallest = self._account(self._plan_of_smallest())
         return self._smallest
+
+    def reaches(self, budget: int) -> bool:
+        """Whether ``smallest()``'s accounted activations fit ``budget`` bytes, accounting no more
+        microbatch shapes than it takes to tell."""
+        if self._smallest is not None:
+            return self._smallest.activation_bytes <= budget
+        plan = self._plan_of_smallest()
+        return self._accounted_figures(plan, above=budget).activation_bytes <= budget
+
+    def _plan_of_smallest(self) -> Plan:
+        if self._smallest_plan is None:
+            self._smallest_plan = smallest_plan(self.costs)
+        return self._smallest_plan
 
     def cheapest(self, budget: int) -> AccountedSchedule:
         """The cheapest schedule found whose accounted activations fit ``budget`` bytes (the
@@ -144,16 +235,15 @@ class CheckpointPlacement:
     def _account(self, plan: Plan) -> AccountedSchedule:
         key = str(plan)
         if key not in self._accounted:
-            apply_schedule(self.trainer.unwrapped_model, self.costs.in_model_order(plan.schedules))
-            with self._own_random_streams():
-                report = profile_trainer(self.trainer, measure=False)
-            self._accounted[key] = AccountedSchedule(plan, report.activation_bytes, report.flops)
+            accounted = self._accounted_figures(plan)
+            self._accounted[key] = AccountedSchedule(plan, accounted.activation_bytes, accounted.flops)
         return self._accounted[key]
 
-    def _own_random_streams(self) -> Any:
-        """Fake passes only, but no generator of the run may move because of them."""
-        device = self.trainer.device
-        return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+    def _accounted_figures(self, plan: Plan, above: int | None = None) -> Accounted:
+        if self._accounting is None:
+            self._accounting = MinibatchAccounting(self.trainer)
+        model, schedules = self.trainer.unwrapped_model, self.costs.in_model_order(plan.schedules)
+        return self._accounting.account(str(plan), lambda: apply_schedule(model, schedules), above)
 
 
 def _preference(accounted: AccountedSchedule) -> tuple[int, int]:
@@ -191,7 +281,8 @@ def apply_optimal_checkpointing(trainer: Any, budget_mb: float, blocks: Sequence
         raise ConfigError(f"checkpointing.budget_mb={budget_mb!r} is not allowed: a finite number of MB > 0")
     ensure_chains(trainer.unwrapped_model, blocks)
     budget = round(budget_mb * MB)
-    placement = CheckpointPlacement(trainer)
+    reused = _REUSED.get()
+    placement = CheckpointPlacement(trainer) if reused is None else reused.moved_to(trainer)
     best = _agreed_across_ranks(placement, budget)
     result = OptimalCheckpointing(
         placement.apply(best),
@@ -211,3 +302,17 @@ def apply_optimal_checkpointing(trainer: Any, budget_mb: float, blocks: Sequence
             result.smallest_bytes / MB,
         )
     return result
+
+
+@contextlib.contextmanager
+def reusing_placement(placement: CheckpointPlacement) -> Iterator[None]:
+    """Inside, ``apply_optimal_checkpointing`` takes ``placement``'s measurements and accountings
+    for the trainer it places checkpoints in, instead of measuring it again: ``lowmem.plan``
+    building the configuration it chose, whose figures it has (the density aside, which changes
+    no activation; it accounts the built trainer afterwards, and builds again without this if the
+    figures differ)."""
+    token = _REUSED.set(placement)
+    try:
+        yield
+    finally:
+        _REUSED.reset(token)
