@@ -98,12 +98,12 @@ def random_positions(numel: int, density: float, empty_rows: tuple[int, ...] = (
 
 
 def test_positions_round_trip_through_int16_columns_and_row_starts_in_any_range():
-    numel = 5 * compact.ROW + 123  # six rows, the last partial, the third empty
-    positions = random_positions(numel, 0.5, empty_rows=(2,))
-    assert positions.numel() > compact.CHUNK  # densify and gather take several chunks
+    numel = 9 * compact.ROW + 123  # ten rows, the last partial, the third empty
+    positions = random_positions(numel, 0.6, empty_rows=(2,))
+    assert positions.numel() > compact.DENSIFY_CHUNK > compact.GATHER_CHUNK  # densify and gather: several chunks
     columns, row_starts = compact.encode(positions.int(), numel)
     assert columns.dtype == torch.int16 and columns.shape == positions.shape
-    assert row_starts.dtype == torch.int64 and row_starts.numel() == 6 + 1
+    assert row_starts.dtype == torch.int64 and row_starts.numel() == 10 + 1
     assert row_starts[2] == row_starts[3]  # the empty row
     exact(compact.flat_positions(columns, row_starts), positions)
     # Every range, also those that start or end at a row start (empty rows included).
@@ -117,8 +117,9 @@ def test_positions_round_trip_through_int16_columns_and_row_starts_in_any_range(
 @pytest.mark.parametrize(("dtype", "grad_dtype"), [(torch.float64, torch.float64), (torch.bfloat16, torch.bfloat16),
                                                    (torch.float32, torch.bfloat16)])  # fmt: skip
 def test_densify_and_gather_give_the_flat_positions_results_bitwise(dtype, grad_dtype):
-    shape = (300, 77, 3, 3)  # 207,900 entries: 7 rows, 2 chunks of active entries at density 0.4
-    positions = random_positions(math.prod(shape), 0.4)
+    shape = (300, 77, 3, 3)  # 207,900 entries: 7 rows, 2 or 3 chunks of active entries at density 0.7
+    positions = random_positions(math.prod(shape), 0.7)
+    assert positions.numel() > compact.DENSIFY_CHUNK > compact.GATHER_CHUNK
     index = compact.encode(positions, math.prod(shape))
     values = torch.randn(positions.numel(), dtype=torch.float64).to(dtype)
     # What the former layout (int32 flat positions) computed:

@@ -26,8 +26,8 @@ entries and moves layer boundaries in place, so nothing is reallocated.
 A layer builds its dense weight when it computes and drops it right after: autograd saves the
 layer's input (and the compact tensors, which are model state), not the dense weight; backward
 builds it again, runs the layer's backward kernels and gathers the weight gradient at the active
-positions. Positions are expanded to flat indices ``CHUNK`` active entries at a time, so building a
-dense weight or gathering its gradient needs at most 512 KiB of index scratch beside the dense tensor.
+positions. Positions are expanded to flat indices by chunks of active entries, so building a dense
+weight or gathering its gradient needs at most 1 MiB of index scratch beside the dense tensor.
 The layers: ``nn.Conv2d``, ``nn.Linear`` and ``nn.Embedding`` (their class gains a compact
 forward), and a bare 2-D parameter that the model applies with ``linear(module, name, x)`` (a
 decoder's output projection, say). The state-dict keys change (``conv.weight`` becomes
@@ -53,7 +53,10 @@ _FLAT_POSITIONS = "_positions"  # the former layout's int32 flat positions (conv
 _SHAPES = "_compact_shapes"  # module attribute: {weight attribute: dense shape}
 
 ROW = 1 << 15  # entries per row of a flattened weight: every column index fits in int16
-CHUNK = 1 << 16  # active entries whose flat positions are built at once (512 KiB as int64)
+# Active entries whose flat positions are built at once: ``densify``'s int64 indices (1 MiB) and
+# ``gather``'s int32 ones (256 KiB: a gather runs beside the dense weight gradient, its gathered
+# entries and those of the weights before it in a checkpointed segment, a step's peak moment).
+DENSIFY_CHUNK, GATHER_CHUNK = 1 << 17, 1 << 16
 
 
 # --- positions: CSR over rows of ROW entries ----------------------------------------------------------
@@ -88,6 +91,8 @@ def flat_positions(
     marks gives row · ROW; the column is added in place. Sizes depend on ``start``/``end`` only: no
     device synchronisation (CUDA graphs capture it)."""
     end = columns.numel() if end is None else end
+    if row_starts.numel() <= 2:  # a weight of one row: the columns are the flat positions
+        return columns[start:end].to(dtype)
     count = end - start
     marks = torch.zeros(count + 1, dtype=dtype, device=columns.device)  # the last slot: rows after the range
     later_rows = (row_starts[1:-1] - start).clamp_(0, count)
@@ -95,9 +100,9 @@ def flat_positions(
     return marks[:count].cumsum_(0).add_(columns[start:end])
 
 
-def _chunks(count: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, count, CHUNK):
-        yield start, min(start + CHUNK, count)
+def _chunks(count: int, size: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, count, size):
+        yield start, min(start + size, count)
 
 
 def densify(
@@ -105,7 +110,7 @@ def densify(
 ) -> torch.Tensor:
     """The dense weight of ``shape``: ``values`` at their positions, zeros elsewhere (no autograd)."""
     dense = values.new_zeros(math.prod(shape))
-    for start, end in _chunks(values.numel()):
+    for start, end in _chunks(values.numel(), DENSIFY_CHUNK):
         dense.index_copy_(0, flat_positions(columns, row_starts, start, end), values[start:end])
     return dense.view(shape)
 
@@ -119,7 +124,7 @@ def gather(
     index_dtype = torch.int32 if flat.numel() <= torch.iinfo(torch.int32).max else torch.int64
     # Made like the columns (model state): activation profilers see a weight gradient, not an activation's.
     out = torch.empty_like(columns, dtype=dtype, device=flat.device)
-    for start, end in _chunks(columns.numel()):
+    for start, end in _chunks(columns.numel(), GATHER_CHUNK):
         index = flat_positions(columns, row_starts, start, end, index_dtype)
         if dtype == flat.dtype:
             torch.index_select(flat, 0, index, out=out[start:end])
