@@ -1,18 +1,20 @@
 """``python -m lowmem.plan +recipe=... plan.budget_mb=X [knobs to fix]``: the best configuration for a budget.
 
-Searches density, precision, microbatch size and checkpointing (``optimal`` included) for the
-configurations whose accounted total (the report's model + optimizer + activations, exactly as
-``lowmem.profile`` prints it for the first minibatch) is at most X MB (1e6 bytes); any searched
-knob given on the command line is fixed to that value (``lowmem.planning.search``). Preference:
-the highest density (accuracy), then the largest microbatch (speed), then the fewest FLOPs.
+Searches density, precision, optimizer state bits (``optim.state_bits``: the precision's width, 8,
+4), microbatch size and checkpointing (``optimal`` included) for the configurations whose accounted
+total (the report's model + optimizer + activations, exactly as ``lowmem.profile`` prints it for
+the first minibatch) is at most X MB (1e6 bytes); any searched knob given on the command line is
+fixed to that value (``lowmem.planning.search``). Preference: the highest density (accuracy), then
+the widest optimizer state (accuracy), then the largest microbatch (speed), then the fewest FLOPs.
 
-Prints a table of the best ``plan.top`` configurations (accounted total, FLOPs, and the accuracy
-the report measured for them where it has a figure), then the chosen one built and profiled again
-as ``lowmem.profile`` would (``plan.verify=true``: with one real step, for its measured peak), and
-as the **last stdout line** one JSON object with ``"overrides"`` (``knob=value`` strings to add to
-the same command line for ``lowmem.train``) and ``"total_bytes"``. Also written to ``plan.json``
-in Hydra's run directory. When nothing fits, it fails (non-zero exit) naming the smallest
-achievable total and its configuration.
+Prints a table of the best ``plan.top`` configurations (state bits, accounted total, FLOPs, and the
+accuracy the report measured for them where it has a figure), then the chosen one built and
+profiled as ``lowmem.profile`` would (``plan.verify=true``: with one real step, for its measured
+peak; an optimal schedule is taken from the search rather than measured again, and measured again
+if the built trainer's accounting differs), and as the **last stdout line** one JSON object with
+``"overrides"`` (``knob=value`` strings to add to the same command line for ``lowmem.train``) and
+``"total_bytes"``. Also written to ``plan.json`` in Hydra's run directory. When nothing fits, it
+fails (non-zero exit) naming the smallest achievable total and its configuration.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ def table(planner: Planner, found: list[Candidate], budget_mb: float) -> str:
     metric = next((m[0] for m in map(planner.reported, found) if m is not None), "report's figure")
     lines = [
         f"configurations whose accounted total fits {budget_mb:g} MB, best first "
-        "(highest density, then largest microbatch, then fewest FLOPs):",
-        f"{'#':>3}  {'density':>7}  {'precision':<9}  {'microbatch':>10}  {'checkpointing':<15}  "
+        "(highest density, then widest optimizer state, then largest microbatch, then fewest FLOPs):",
+        f"{'#':>3}  {'density':>7}  {'precision':<9}  {'state bits':>10}  {'microbatch':>10}  {'checkpointing':<15}  "
         f"{'activations MB':>14}  {'total MB':>9}  {'GFLOP':>7}  {metric} (cost)",
     ]
     for rank, c in enumerate(found, start=1):
@@ -66,7 +68,7 @@ def table(planner: Planner, found: list[Candidate], budget_mb: float) -> str:
         figure = "n/a" if reported is None else f"{reported[1]:.2f} ({-reported[2]:+.2f})"
         microbatch = "none" if c.microbatch is None else str(c.microbatch)
         lines.append(
-            f"{rank:>3}  {c.density:>7g}  {c.precision:<9}  {microbatch:>10}  {c.checkpointing:<15}  "
+            f"{rank:>3}  {c.density:>7g}  {c.precision:<9}  {c.bits:>10}  {microbatch:>10}  {c.checkpointing:<15}  "
             f"{c.activation_bytes / MB:>14.3f}  {c.total_bytes / MB:>9.3f}  {c.flops / 1e9:>7.1f}  {figure}"
         )
     return "\n".join(lines)
@@ -105,7 +107,11 @@ def plan_search(
     say(table(planner, found, budget_mb))
     # The chosen configuration, built from its overrides as lowmem.train will build it.
     for chosen in found:
-        report, row = profile_row(planner.build(planner.compose(chosen)), verify)
+        report, row = profile_row(planner.build_chosen(chosen), verify)
+        figures = (row["activation_bytes"], row["flops"])
+        if chosen.strategy == "optimal" and figures != (chosen.activation_bytes, chosen.flops):
+            # The search's schedule does not stand for this build: its checkpoints placed afresh.
+            report, row = profile_row(planner.build_chosen(chosen, reuse=False), verify)
         if row["total_bytes"] <= budget:
             break
         say(f"(#{found.index(chosen) + 1} profiled at {row['total_bytes'] / MB:.3f} MB when built alone: skipped)")
@@ -123,6 +129,8 @@ def plan_search(
         "total_bytes": row["total_bytes"],
         "model_bytes": row["model_bytes"],
         "optimizer_bytes": row["optimizer_bytes"],
+        "optimizer_state_bytes": row.get("optimizer_state_bytes"),
+        "state_bits": chosen.bits,
         "activation_bytes": row["activation_bytes"],
         "flops": row["flops"],
         "peak_bytes": row["peak_bytes"],

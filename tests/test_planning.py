@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import random
 import subprocess
@@ -13,7 +15,7 @@ import torch
 from lowmem.config import ConfigError
 from lowmem.plan import plan
 from lowmem.planning.measure import measure_chain
-from lowmem.planning.optimal import BudgetTooSmall
+from lowmem.planning.optimal import Accounted, BudgetTooSmall, MinibatchAccounting
 from lowmem.planning.schedule import BlockCosts, ChainCosts, cheapest_plan, predict, smallest_plan
 from lowmem.planning.search import DENSITIES, Planner
 from lowmem.profile import profile_config
@@ -112,6 +114,28 @@ def test_cost_model_is_the_accounting_for_the_fixed_strategies(tiny_chain):
     apply_checkpointing(model, "none")
 
 
+def test_measuring_without_the_flops_outside_the_stacks_changes_nothing_else(tiny_chain):
+    trainer, costs = tiny_chain
+    assert measure_chain(trainer, outside_flops=False) == dataclasses.replace(costs, outside_flops=0)
+
+
+def test_minibatch_accounting_is_the_profilers_shape_by_shape():
+    """Several token microbatch shapes: the profiler's figures, and with a bound, only the shapes
+    up to the first that exceeds it (the largest first)."""
+    trainer = build_trainer(make_config(*SMALL_DC, "microbatch.size=200"))
+    accounting = MinibatchAccounting(trainer)
+    assert len(accounting.parts) > 1
+    model = trainer.unwrapped_model
+    apply_checkpointing(model, "residual")
+    report = profile_trainer(trainer, measure=False)
+    apply = functools.partial(apply_checkpointing, model, "residual")
+    bounded = accounting.account("residual", apply, above=report.activation_bytes - 1)
+    assert bounded.activation_bytes == report.activation_bytes and bounded.flops <= report.flops
+    assert accounting.account("residual", apply) == Accounted(report.activation_bytes, report.flops, True)
+    assert accounting.account("again", apply, above=report.activation_bytes).complete
+    apply_checkpointing(model, "none")
+
+
 def profiled(*overrides: str) -> dict:
     return profile_config(make_config(*TINY_WRN, *overrides), measure=False)
 
@@ -201,20 +225,39 @@ def test_state_without_masks_equals_built_sparse_trainers():
         assert (state.model_bytes, state.optimizer_bytes) == (row["model_bytes"], row["optimizer_bytes"])
 
 
+def test_quantized_state_is_counted_as_built_optimizers_hold_it():
+    planner = Planner([*TINY_WRN, "microbatch.size=5"], budget_bytes=10**9)
+    for density, precision, bits in [(1.0, "fp32", 8), (0.5, "fp16", 4), (0.05, "fp16", 8)]:
+        row = profiled(f"sparsity.density={density}", f"precision={precision}", f"optim.state_bits={bits}")
+        state = planner.state_bytes(density, precision, bits)
+        assert state == (row["model_bytes"], row["optimizer_bytes"], row["optimizer_state_bytes"])
+
+
+def test_fixed_state_bits_restrict_the_search():
+    assert Planner([*TINY_WRN, "optim.state_bits=null"], 10**9).state_bits == {"fp32": (None,), "fp16": (None,)}
+    assert Planner([*TINY_WRN, "optim.state_bits=16"], 10**9).state_bits == {"fp32": (), "fp16": (None,)}
+    assert Planner([*TINY_WRN, "optim.state_bits=4"], 10**9).state_bits == {"fp32": (4,), "fp16": (4,)}
+    assert Planner(list(TINY_WRN), 10**9).state_bits == {"fp32": (None, 8, 4), "fp16": (None, 8, 4)}
+    with pytest.raises(ConfigError, match=r"optim.state_bits=16 is not allowed: with precision=fp32 one of 32, 8, 4"):
+        Planner([*TINY_WRN, "precision=fp32", "optim.state_bits=16"], 10**9)
+
+
 def preference(candidate, batch: int) -> tuple:
     microbatch = batch if candidate.microbatch is None else candidate.microbatch
-    return -candidate.density, -microbatch, candidate.flops
+    quantization = 0 if candidate.state_bits is None else (8, 4).index(candidate.state_bits) + 1
+    return -candidate.density, quantization, -microbatch, candidate.flops
 
 
 @pytest.fixture(scope="module")
 def wrn_plan():
-    """A budget that dense FP32 misses at any microbatch and schedule, planned over FP32."""
+    """A budget that dense FP32 misses at any microbatch and schedule, planned over FP32 with its
+    own (32-bit) optimizer state."""
     with pytest.raises(BudgetTooSmall) as error:  # the smallest activations at the smallest microbatch
         build_trainer(make_config(*TINY_WRN, "microbatch.size=2", "checkpointing.strategy=optimal",
                                   "checkpointing.budget_mb=1e-6"))  # fmt: skip
     dense = profiled()
     budget = dense["model_bytes"] + dense["optimizer_bytes"] + error.value.smallest_bytes - 1
-    planner = Planner([*TINY_WRN, "precision=fp32", f"plan.budget_mb={budget / MB}"], budget)
+    planner = Planner([*TINY_WRN, "precision=fp32", "optim.state_bits=null", f"plan.budget_mb={budget / MB}"], budget)
     return planner, planner.search(top=6), budget
 
 
@@ -228,13 +271,41 @@ def test_planner_follows_the_preference_and_fits(wrn_plan):
     row = profile_config(planner.compose(best), measure=False)
     assert row["total_bytes"] == best.total_bytes <= budget
     # Nothing denser fits, nor a larger microbatch at the chosen density.
+    fp32 = [*TINY_WRN, "precision=fp32", "optim.state_bits=null"]
     denser = DENSITIES[DENSITIES.index(best.density) - 1]
-    assert Planner([*TINY_WRN, "precision=fp32", f"sparsity.density={denser}"], budget).search(top=1) == []
+    assert Planner([*fp32, f"sparsity.density={denser}"], budget).search(top=1) == []
     sizes = planner.microbatches
     if best.microbatch != sizes[0]:
         larger = sizes[sizes.index(best.microbatch) - 1]
         fixed = [f"sparsity.density={best.density}", f"microbatch.size={'null' if larger is None else larger}"]
-        assert Planner([*TINY_WRN, "precision=fp32", *fixed], budget).search(top=1) == []
+        assert Planner([*fp32, *fixed], budget).search(top=1) == []
+
+
+def test_quantized_state_buys_density(wrn_plan):
+    """Where dense FP32 misses with its own state, quantized state fits it: the densest
+    configuration wins, with the widest state that fits."""
+    _, _, budget = wrn_plan
+    planner = Planner([*TINY_WRN, "precision=fp32"], budget)
+    found = planner.search(top=6)
+    assert [preference(c, 20) for c in found] == sorted(preference(c, 20) for c in found)
+    best = found[0]
+    assert best.density == 1.0 and best.state_bits in (8, 4)
+    assert f"optim.state_bits={best.state_bits}" in planner.overrides(best)
+    row = profile_config(planner.compose(best), measure=False)
+    assert row["total_bytes"] == best.total_bytes <= budget
+    if best.state_bits == 4:
+        eight = [*TINY_WRN, "precision=fp32", "optim.state_bits=8", "sparsity.density=1.0"]
+        assert Planner(eight, budget).search(top=1) == []
+
+
+def test_the_chosen_schedule_taken_from_the_search_accounts_as_placed_afresh(wrn_plan):
+    planner, found, _ = wrn_plan
+    chosen = next(c for c in found if c.strategy == "optimal")
+    reused = profile_trainer(planner.build_chosen(chosen), measure=False)
+    afresh = profile_trainer(planner.build_chosen(chosen, reuse=False), measure=False)
+    figures = (chosen.activation_bytes, chosen.flops, chosen.total_bytes)
+    assert (reused.activation_bytes, reused.flops, reused.total_bytes) == figures
+    assert (afresh.activation_bytes, afresh.flops, afresh.total_bytes) == figures
 
 
 def test_plan_command_prints_overrides_that_fit(wrn_plan, capsys):
@@ -242,7 +313,8 @@ def test_plan_command_prints_overrides_that_fit(wrn_plan, capsys):
     cfg = make_config(*TINY_WRN, "precision=fp32", f"plan.budget_mb={budget / MB!r}", "plan.top=3")
     row = plan(cfg, [*TINY_WRN, "precision=fp32", f"plan.budget_mb={budget / MB!r}", "plan.top=3"])
     printed = capsys.readouterr().out
-    assert "best first" in printed and "chosen:" in printed
+    assert "best first" in printed and "chosen:" in printed and "state bits" in printed
+    assert row["state_bits"] in (32, 8, 4)
     assert all(o.split("=")[0] != "precision" for o in row["overrides"])  # fixed on the command line
     again = profile_config(make_config(*TINY_WRN, "precision=fp32", *row["overrides"]), measure=False)
     assert again["total_bytes"] == row["total_bytes"] <= budget

@@ -5,32 +5,39 @@ Searched knobs (one fixed on the command line is searched over its value only):
 - ``sparsity.density``: the report's values 1.0, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05;
 - ``precision``: fp32, fp16 (accounted on fake tensors, which compute nothing: fp16's figures are
   bf16's bytes, and planning fp16 on a CPU costs no FP16 arithmetic);
+- ``optim.state_bits``: the precision's own width (the knob's null: 32 with fp32, 16 with fp16),
+  then 8 and 4 (blockwise-quantized momentum buffers, ``optim.state_block_size`` values a scale);
 - ``microbatch.size``: none, then every divisor of ``data.batch_size`` from half of it down to 2
   (WRN's 100: 50, 25, 20, 10, 5, 4, 2, with the report's 10 and 4) that the recipe can cut the
   first minibatch into (token microbatches must hold the longest sentence pair);
 - checkpointing: none, no_bn, residual every 1 and 2, residual_star every 1 to 4 (those the model's
-  blocks support), and ``optimal`` with the activation budget the density and precision leave.
+  blocks support), and ``optimal`` with the activation budget the other knobs leave.
 
 Preference, in this order: the highest density (accuracy: the report's Tables 3 and 4 lose accuracy
-as density falls), then the largest microbatch (speed: fewer, larger kernels), then the fewest FLOPs
-(recomputation), then fp32 before fp16 (no loss-scale skips), then the smallest total.
+as density falls), then the widest optimizer state (the precision's own width, then 8, then 4 bits:
+quantization error), then the largest microbatch (speed: fewer, larger kernels), then the fewest
+FLOPs (recomputation), then fp32 before fp16 (no loss-scale skips), then the smallest total.
 
 Every figure is the report's accounting as ``lowmem.profile`` prints it for the first minibatch,
-from trainers built by ``build_trainer`` like a run's. Model and optimizer bytes depend on density
-and precision only: one trainer per pair (sparse weights counted as CSR). Activation bytes and
-FLOPs depend on precision, microbatch and checkpointing only: one trainer per precision and
-microbatch size, whose strategy is swapped between accountings (~0.2 s each for WRN-28-2 on fake
-tensors); ``optimal`` reuses one ``CheckpointPlacement`` per such trainer, which measures the
-blocks once and knows the smallest activations any schedule reaches there, so a microbatch size too
-large for the budget costs one measurement, not one accounting per strategy. All of it is cached,
-and the search runs in preference order and stops once ``plan.top`` configurations fit: planning
-WRN-28-2 at batch 100 within 8 MB searches for ~9 s on two idle CPU cores (~25 s when they are
-shared with other jobs).
+each knob's share accounted once and combined. Model and optimizer bytes depend on density,
+precision and state bits only: counted per triple on the precision's trainer, without drawing
+masks or building an optimizer (``lowmem.profiler.account_state``; sparse weights as CSR).
+Activation bytes and FLOPs depend on precision, microbatch and checkpointing only: one model per
+precision, seen through one trainer per microbatch size (sizes beyond the ones built to learn which
+the recipe accepts share the model: only the microbatches differ), whose schedule is swapped
+between accountings; each accounting (``lowmem.planning.optimal.MinibatchAccounting``) runs one
+distinct microbatch shape at a time, largest first, and stops at the first that exceeds the room the
+other knobs leave (a schedule that does not fit costs one fake pass, not one per shape). ``optimal``
+reuses one ``CheckpointPlacement`` per trainer, which measures the blocks once and knows the
+smallest activations any schedule reaches there: the microbatch sizes that can fit are found by
+bisection on it. All of it is cached, and the search runs in preference order and stops once
+``plan.top`` configurations fit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -39,10 +46,10 @@ import hydra
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from lowmem.config import ConfigError, compose
-from lowmem.planning.optimal import AccountedSchedule, CheckpointPlacement
+from lowmem.config import QUANTIZED_STATE_BITS, ConfigError, compose, state_width
+from lowmem.planning.optimal import AccountedSchedule, CheckpointPlacement, MinibatchAccounting, reusing_placement
 from lowmem.planning.reported import reported_metric
-from lowmem.profiler import MB, StateBytes, account_state, profile_trainer
+from lowmem.profiler import MB, StateBytes, account_state
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.trainer import Trainer, build_trainer
 
@@ -53,7 +60,10 @@ FIXED_STRATEGIES = (
     ("residual_star", 1), ("residual_star", 2), ("residual_star", 3), ("residual_star", 4),
 )  # fmt: skip
 # Command-line knobs the planner chooses; fixing one restricts the search to its value.
-SEARCHED = ("sparsity.density", "precision", "microbatch.size", "checkpointing.strategy", "checkpointing.every")
+SEARCHED = (
+    "sparsity.density", "precision", "optim.state_bits", "microbatch.size", "checkpointing.strategy",
+    "checkpointing.every",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -71,10 +81,16 @@ class Candidate:
     activation_bytes: int
     flops: int
     schedule: str = ""  # optimal: the schedule chosen (lowmem.planning.schedule.describe)
+    state_bits: int | None = None  # optim.state_bits: 8 or 4; None: the precision's own width
 
     @property
     def total_bytes(self) -> int:
         return self.model_bytes + self.optimizer_bytes + self.activation_bytes
+
+    @property
+    def bits(self) -> int:
+        """The optimizer state's bits per value."""
+        return state_width(self.precision) if self.state_bits is None else self.state_bits
 
     @property
     def checkpointing(self) -> str:
@@ -82,12 +98,11 @@ class Candidate:
 
     def knobs(self) -> dict[str, str]:
         """Every searched knob's value as an override value."""
-        knobs = {
-            "sparsity.density": f"{self.density}",
-            "precision": self.precision,
-            "microbatch.size": "null" if self.microbatch is None else f"{self.microbatch}",
-            "checkpointing.strategy": self.strategy,
-        }
+        knobs = {"sparsity.density": f"{self.density}", "precision": self.precision}
+        if self.state_bits is not None:
+            knobs["optim.state_bits"] = f"{self.state_bits}"
+        knobs["microbatch.size"] = "null" if self.microbatch is None else f"{self.microbatch}"
+        knobs["checkpointing.strategy"] = self.strategy
         if self.every is not None:
             knobs["checkpointing.every"] = f"{self.every}"
         if self.budget_bytes is not None:
@@ -133,6 +148,8 @@ class Planner:
         cfg = self.cfg
         self.densities = (cfg.sparsity.density,) if "sparsity.density" in self.fixed else DENSITIES
         self.precisions = (cfg.precision.name,) if "precision" in self.fixed else PRECISIONS
+        # Per precision, the optim.state_bits searched: None (its own width), 8, 4, or the fixed value.
+        self.state_bits = {precision: self._state_bits_for(precision) for precision in self.precisions}
         batch = cfg.data.batch_size
         divisors = [size for size in range(batch // 2, 1, -1) if batch % size == 0]
         self.microbatches: tuple[int | None, ...] = (
@@ -144,10 +161,30 @@ class Planner:
         if "checkpointing.every" in self.fixed:
             strategies = [(s, cfg.checkpointing.every if e is not None else None) for s, e in strategies]
         self.strategies = tuple(dict.fromkeys(strategies))
-        self._states: dict[tuple[float, str], StateBytes] = {}
+        self._states: dict[tuple[float, str, int | None], StateBytes] = {}
         self._trainers: dict[tuple[str, int | None], Trainer | None] = {}
+        self._valid: dict[str, tuple[int | None, ...]] = {}
         self._placements: dict[tuple[str, int | None], CheckpointPlacement] = {}
-        self._accounted: dict[tuple, tuple[int, int] | None] = {}
+        self._accountings: dict[tuple[str, int | None], MinibatchAccounting] = {}
+        self._refused: set[tuple[str, int | None, str, int | None]] = set()  # schedules the blocks cannot run
+
+    def _state_bits_for(self, precision: str) -> tuple[int | None, ...]:
+        """The optim.state_bits values searched with ``precision``, widest first (None: its width)."""
+        width = state_width(precision)
+        quantized = QUANTIZED_STATE_BITS if width != 64 else ()  # FP64 reference runs keep FP64 state
+        if "optim.state_bits" not in self.fixed:
+            return (None, *quantized)
+        bits = self.cfg.optim.state_bits
+        if bits is None or bits == width:
+            return (None,)
+        if bits in quantized:
+            return (bits,)
+        if "precision" in self.fixed:
+            raise ConfigError(
+                f"optim.state_bits={bits!r} is not allowed: with precision={precision} one of "
+                f"{', '.join(map(str, (width, *quantized)))} or null (the precision's width)"
+            )
+        return ()  # the width of another searched precision: not this one's
 
     # --- the search ----------------------------------------------------------------------------
     def search(self, top: int) -> list[Candidate]:
@@ -155,41 +192,51 @@ class Planner:
         found: list[Candidate] = []
         with _quiet_builds():
             for density in self.densities:
-                # Per precision, the microbatch sizes worth accounting at this density.
-                sizes = {precision: self._sizes_that_may_fit(density, precision) for precision in self.precisions}
-                for microbatch in self.microbatches:
-                    group = [
-                        candidate
+                for level in sorted({_quantization(b) for bits in self.state_bits.values() for b in bits}):
+                    pairs = [
+                        (precision, bits)
                         for precision in self.precisions
-                        if microbatch in sizes[precision]
-                        for candidate in self._fitting(density, precision, microbatch)
+                        for bits in self.state_bits[precision]
+                        if _quantization(bits) == level
                     ]
-                    group.sort(key=lambda c: (c.flops, self.precisions.index(c.precision), c.total_bytes))
-                    found.extend(group)
-                    if len(found) >= top:
-                        return found[:top]
+                    # Per precision and state bits, the microbatch sizes worth accounting at this density.
+                    sizes = {pair: self._sizes_that_may_fit(density, *pair) for pair in pairs}
+                    for microbatch in self.microbatches:
+                        group = [
+                            candidate
+                            for pair in pairs
+                            if microbatch in sizes[pair]
+                            for candidate in self._fitting(density, *pair, microbatch)
+                        ]
+                        group.sort(key=lambda c: (c.flops, self.precisions.index(c.precision), c.total_bytes))
+                        found.extend(group)
+                        if len(found) >= top:
+                            return found[:top]
         return found
 
     def smallest(self) -> Candidate:
         """The configuration with the smallest accounted total in the searched space: the lowest
         density at the smallest microbatch (activations grow with it), at its smallest schedule."""
-        density, smallest = min(self.densities), None
+        density = min(self.densities)
         with _quiet_builds():
-            for precision in self.precisions:
-                microbatch = self._valid_sizes(precision)[-1]
-                state = self.state_bytes(density, precision)
-                if self._optimal_allowed:
-                    smallest_schedule = self._placement(precision, microbatch).smallest()
-                    budget = smallest_schedule.activation_bytes
-                    found = [self._optimal(density, precision, microbatch, state, smallest_schedule, budget)]
-                else:
-                    found = [self._fixed(density, precision, microbatch, s, e, state) for s, e in self.strategies]
-                for candidate in found:
-                    if candidate is not None and (smallest is None or candidate.total_bytes < smallest.total_bytes):
-                        smallest = candidate
-        if smallest is None:
+            found = [
+                candidate
+                for precision in self.precisions
+                for bits in self.state_bits[precision]
+                for candidate in self._smallest_at(density, precision, bits)
+                if candidate is not None
+            ]
+        if not found:
             raise ConfigError("lowmem.plan: the fixed checkpointing.strategy does not run on this model's blocks")
-        return smallest
+        return min(found, key=lambda candidate: candidate.total_bytes)
+
+    def _smallest_at(self, density: float, precision: str, bits: int | None) -> list[Candidate | None]:
+        microbatch = self._valid_sizes(precision)[-1]
+        state = self.state_bytes(density, precision, bits)
+        if not self._optimal_allowed:
+            return [self._fixed(density, precision, bits, microbatch, s, e, state) for s, e in self.strategies]
+        schedule = self._placement(precision, microbatch).smallest()
+        return [self._optimal(density, precision, bits, microbatch, state, schedule, schedule.activation_bytes)]
 
     def overrides(self, candidate: Candidate) -> list[str]:
         """The overrides to add to the command line planned with (knobs it fixed are left out)."""
@@ -199,10 +246,24 @@ class Planner:
         """The configuration ``lowmem.train <command line> <overrides>`` runs for ``candidate``."""
         return compose_config(*self.base, *(f"{k}={v}" for k, v in candidate.knobs().items()))
 
+    def build_chosen(self, candidate: Candidate, reuse: bool = True) -> Trainer:
+        """The trainer ``lowmem.train`` builds for ``candidate``. With ``reuse``, optimal
+        checkpointing takes the search's measurements and accountings for its schedule instead of
+        measuring again (the caller accounts the trainer, and builds again without ``reuse`` when the
+        figures differ from the candidate's)."""
+        cfg = self.compose(candidate)
+        key = (candidate.precision, candidate.microbatch)
+        if not reuse or candidate.strategy != "optimal" or key not in self._placements:
+            return self.build(cfg)
+        with reusing_placement(self._placements[key]):
+            return self.build(cfg)
+
     def reported(self, candidate: Candidate) -> tuple[str, float, float] | None:
         """The report's accuracy figure for ``candidate`` (``lowmem.planning.reported``)."""
         cfg = self.cfg
         if OmegaConf.is_missing(cfg, "recipe"):  # a loop of the user's own (lowmem.api.plan)
+            return None
+        if candidate.state_bits is not None:  # the report trained with the precision's own state only
             return None
         return reported_metric(
             cfg.recipe, cfg.model, cfg.data.batch_size, candidate.density, candidate.microbatch, candidate.precision
@@ -212,92 +273,101 @@ class Planner:
     def _optimal_allowed(self) -> bool:
         return any(strategy == "optimal" for strategy, _ in self.strategies)
 
-    def _fitting(self, density: float, precision: str, microbatch: int | None) -> list[Candidate]:
-        """The configurations at (density, precision, microbatch) whose total fits the budget."""
-        state = self.state_bytes(density, precision)
-        room = self.budget - state.model_bytes - state.optimizer_bytes  # for activations
+    def _room(self, density: float, precision: str, bits: int | None) -> int:
+        """What ``density``, ``precision`` and ``bits`` leave of the budget for activations (bytes)."""
+        state = self.state_bytes(density, precision, bits)
+        return self.budget - state.model_bytes - state.optimizer_bytes
+
+    def _fitting(self, density: float, precision: str, bits: int | None, microbatch: int | None) -> list[Candidate]:
+        """The configurations at (density, precision, bits, microbatch) whose total fits the budget."""
+        state = self.state_bytes(density, precision, bits)
+        room = self._room(density, precision, bits)
         if room <= 0 or self._trainer_for(precision, microbatch) is None:
             return []
         # No schedule goes below optimal's smallest.
-        if self._optimal_allowed and self._placement(precision, microbatch).smallest().activation_bytes > room:
+        if self._optimal_allowed and not self._placement(precision, microbatch).reaches(room):
             return []
         fitting = []
         for strategy, every in self.strategies:
             if strategy != "optimal":
-                candidate = self._fixed(density, precision, microbatch, strategy, every, state)
-                if candidate is not None and candidate.activation_bytes <= room:
+                candidate = self._fixed(density, precision, bits, microbatch, strategy, every, state, room)
+                if candidate is not None:
                     fitting.append(candidate)
         if self._optimal_allowed:
             accounted = self._placement(precision, microbatch).cheapest(room)
             # A schedule that is one of the fixed patterns is listed under its simpler name only.
             if not any((c.activation_bytes, c.flops) == (accounted.activation_bytes, accounted.flops) for c in fitting):
-                fitting.append(self._optimal(density, precision, microbatch, state, accounted, room))
+                fitting.append(self._optimal(density, precision, bits, microbatch, state, accounted, room))
         return fitting
 
     @staticmethod
     def _optimal(
-        density: float, precision: str, microbatch: int | None, state: StateBytes, accounted: AccountedSchedule,
-        budget: int,
+        density: float, precision: str, bits: int | None, microbatch: int | None, state: StateBytes,
+        accounted: AccountedSchedule, budget: int,
     ) -> Candidate:  # fmt: skip
         """Optimal checkpointing within ``budget`` activation bytes, as ``accounted`` (its schedule)."""
         return Candidate(
             density, precision, microbatch, "optimal", None, budget, state.model_bytes, state.optimizer_bytes,
-            accounted.activation_bytes, accounted.flops, str(accounted.plan),
+            accounted.activation_bytes, accounted.flops, str(accounted.plan), bits,
         )  # fmt: skip
 
     def _fixed(
-        self, density: float, precision: str, microbatch: int | None, strategy: str, every: int | None,
-        state: StateBytes,
+        self, density: float, precision: str, bits: int | None, microbatch: int | None, strategy: str,
+        every: int | None, state: StateBytes, room: int | None = None,
     ) -> Candidate | None:  # fmt: skip
+        """A fixed strategy's candidate; None when the blocks cannot run it, or (with ``room``) when
+        its activations exceed ``room`` bytes."""
         key = (precision, microbatch, strategy, every)
-        if key not in self._accounted:
-            trainer = self._trainer_for(precision, microbatch)
-            try:
-                apply_checkpointing(trainer.unwrapped_model, strategy, every)
-            except ValueError:  # the blocks do not support it (no_bn / residual_star on any block)
-                self._accounted[key] = None
-            else:
-                report = profile_trainer(trainer, measure=False)
-                self._accounted[key] = (report.activation_bytes, report.flops)
-        if self._accounted[key] is None:
+        if key in self._refused:
             return None
-        activation, flops = self._accounted[key]
+        model = self._trainer_for(precision, microbatch).unwrapped_model
+        try:
+            apply_checkpointing(model, strategy, every)
+        except ValueError:  # the blocks do not support it (no_bn / residual_star on any block)
+            self._refused.add(key)
+            return None
+        accounted = self._accounting(precision, microbatch).account(
+            (strategy, every), lambda: apply_checkpointing(model, strategy, every), above=room
+        )
+        if room is not None and accounted.activation_bytes > room:
+            return None
         every = every if strategy in ("residual", "residual_star") else None
         return Candidate(
             density, precision, microbatch, strategy, every, None, state.model_bytes, state.optimizer_bytes,
-            activation, flops,
+            accounted.activation_bytes, accounted.flops, state_bits=bits,
         )  # fmt: skip
 
     def _valid_sizes(self, precision: str) -> tuple[int | None, ...]:
         """The searched microbatch sizes (largest first) the recipe can cut the first minibatch
         into: all but token microbatches smaller than its longest sentence pair, which are the
         smallest sizes (one that holds the longest pair, any larger one does)."""
-        sizes = self.microbatches
-        low, high = 1, len(sizes)  # sizes[:low] are valid (the first, possibly none, always is); sizes[high:] not
-        while low < high:
-            middle = (low + high) // 2
-            if self._trainer_for(precision, sizes[middle]) is None:
-                high = middle
-            else:
-                low = middle + 1
-        return sizes[:low]
+        if precision not in self._valid:
+            sizes = self.microbatches
+            low, high = 1, len(sizes)  # sizes[:low] are valid (the first, possibly none, always is); sizes[high:] not
+            while low < high:
+                middle = (low + high) // 2
+                if self._trainer_for(precision, sizes[middle]) is None:
+                    high = middle
+                else:
+                    low = middle + 1
+            self._valid[precision] = sizes[:low]
+        return self._valid[precision]
 
-    def _sizes_that_may_fit(self, density: float, precision: str) -> tuple[int | None, ...]:
+    def _sizes_that_may_fit(self, density: float, precision: str, bits: int | None) -> tuple[int | None, ...]:
         """The valid microbatch sizes whose smallest schedule leaves the activations within what
-        ``density`` and ``precision`` leave of the budget: a suffix of ``_valid_sizes``, as every
-        activation grows with the microbatch, found by bisection (a few measurements, not one per
-        size). Without optimal among the strategies, every valid size."""
-        state = self.state_bytes(density, precision)
-        room = self.budget - state.model_bytes - state.optimizer_bytes
-        sizes = self._valid_sizes(precision)
+        ``density``, ``precision`` and ``bits`` leave of the budget: a suffix of ``_valid_sizes``,
+        as every activation grows with the microbatch, found by bisection (a few measurements, not
+        one per size). Without optimal among the strategies, every valid size."""
+        room = self._room(density, precision, bits)
         if room <= 0:
             return ()
+        sizes = self._valid_sizes(precision)
         if not self._optimal_allowed:
             return sizes
         low, high = 0, len(sizes)  # sizes[high:] fit; sizes[:low] do not
         while low < high:
             middle = (low + high) // 2
-            if self._placement(precision, sizes[middle]).smallest().activation_bytes <= room:
+            if self._placement(precision, sizes[middle]).reaches(room):
                 high = middle
             else:
                 low = middle + 1
@@ -309,15 +379,17 @@ class Planner:
         knobs = [f"sparsity.density={density}", f"precision={precision}", f"microbatch.size={size}"]
         return self.build(compose_config(*self.base, *knobs, "checkpointing.strategy=none"))
 
-    def state_bytes(self, density: float, precision: str) -> StateBytes:
-        """Model and optimizer bytes at ``density`` and ``precision`` (microbatching changes neither).
+    def state_bytes(self, density: float, precision: str, bits: int | None = None) -> StateBytes:
+        """Model and optimizer bytes at ``density``, ``precision`` and optim.state_bits ``bits``
+        (None: the precision's width); microbatching changes neither.
 
         Accounted on the precision's trainer without drawing masks: DSR keeps round(density ·
         numel) weights of every sparsifiable tensor (``lowmem.techniques.sparsity``), counted as
         CSR like ``DynamicSparsity.trained_parameters()`` has them (``tests/test_planning.py`` pins
         the equality with built sparse trainers); building one per density would cost ~1 s each.
+        8- and 4-bit state is counted without building its optimizer (``account_state``'s what-if).
         """
-        key = (density, precision)
+        key = (density, precision, bits)
         if key not in self._states:
             trainer = self._trainer_for(precision, None)
             model = trainer.unwrapped_model
@@ -329,7 +401,8 @@ class Planner:
                 sparse = {name: (params[name].shape, round(density * params[name].numel())) for name in names}
             else:
                 sparse = None
-            self._states[key] = account_state(model, trainer.optimizer, sparse)
+            block = self.cfg.optim.state_block_size
+            self._states[key] = account_state(model, trainer.optimizer, sparse, state_bits=bits, state_block_size=block)
         return self._states[key]
 
     def _trainer_for(self, precision: str, microbatch: int | None) -> Trainer | None:
@@ -339,13 +412,20 @@ class Planner:
         if key not in self._trainers:
             # Activations do not depend on density: the first searched one stands for all (dense,
             # unless sparsity.density was fixed).
-            try:
-                trainer = self._build(self.densities[0], precision, microbatch)
-                trainer.microbatches(trainer.example_batch())
-            except (ConfigError, ValueError):
-                if microbatch is None:  # the command line's own configuration fails: the user's error
-                    raise
-                trainer = None  # only the microbatch size differs: token microbatches too small for a pair
+            base = self._trainers.get((precision, None))
+            if microbatch in self._valid.get(precision, ()) and getattr(base, "microbatch_mode", None) == "true":
+                # A size the recipe is known to accept: the precision's model, cut into other
+                # microbatches (true microbatching changes nothing else of a built trainer).
+                trainer = copy.copy(base)
+                trainer.microbatch_size = microbatch
+            else:
+                try:
+                    trainer = self._build(self.densities[0], precision, microbatch)
+                    trainer.microbatches(trainer.example_batch())
+                except (ConfigError, ValueError):
+                    if microbatch is None:  # the command line's own configuration fails: the user's error
+                        raise
+                    trainer = None  # only the microbatch size differs: token microbatches too small for a pair
             self._trainers[key] = trainer
         return self._trainers[key]
 
@@ -354,6 +434,17 @@ class Planner:
         if key not in self._placements:
             self._placements[key] = CheckpointPlacement(self._trainer_for(precision, microbatch))
         return self._placements[key]
+
+    def _accounting(self, precision: str, microbatch: int | None) -> MinibatchAccounting:
+        key = (precision, microbatch)
+        if key not in self._accountings:
+            self._accountings[key] = MinibatchAccounting(self._trainer_for(precision, microbatch))
+        return self._accountings[key]
+
+
+def _quantization(bits: int | None) -> int:
+    """Rank of optim.state_bits in the preference: the precision's own width, then 8, then 4."""
+    return 0 if bits is None else QUANTIZED_STATE_BITS.index(bits) + 1
 
 
 @contextlib.contextmanager
