@@ -14,7 +14,8 @@ of width 128 called in a loop with a causal mask), on CPU, batch 100 (images 32x
 
 Step times are the median of ``--repeats`` steps after one warm-up step, alternating the three
 configurations so that machine noise falls on all alike. Writes a Markdown table (stdout, and
-``--out`` when given). Run: ``.venv/bin/python scripts/bench_your_model.py`` (~3 min on 2 cores).
+``--out`` when given) and, on stderr, what the combination's measured peak holds and where it happens.
+Run: ``.venv/bin/python scripts/bench_your_model.py`` (~3 min on 2 cores).
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def bench(name: str, make_model: Callable, batch: tuple, loss_fn: Callable, repe
         "fp32_activations": accounted["activation_bytes"],
         "combo_accounted": combined["total_bytes"],
         "combo_peak": combined["peak_bytes"],
+        "combo_peak_breakdown": combined["peak_breakdown"],
+        "combo_peak_location": combined["peak_location"],
         "lowmem_vs_plain_time": median["lowmem"] / median["plain"],
         "combo_vs_plain_time": median["combination"] / median["plain"],
         "plain_step_s": median["plain"],
@@ -145,8 +148,11 @@ def main() -> None:
     rows = []
     for name, (make_model, batch, loss_fn) in models(args.batch).items():
         if args.only is None or args.only in name:
-            rows.append(bench(name, make_model, batch, loss_fn, args.repeats))
-            print(f"{name}: done", file=sys.stderr, flush=True)
+            row = bench(name, make_model, batch, loss_fn, args.repeats)
+            rows.append(row)
+            held = ", ".join(f"{key} {value / MB:.2f}" for key, value in row["combo_peak_breakdown"].items() if value)
+            print(f"{name}: combination peak {row['combo_peak'] / MB:.2f} MB ({held}) at "
+                  f"{row['combo_peak_location']}", file=sys.stderr, flush=True)  # fmt: skip
     text = table(rows, args.batch)
     print(text)
     if args.out is not None:
