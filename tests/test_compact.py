@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 
 import lowmem
 from lowmem.techniques import compact
@@ -97,7 +97,7 @@ def random_positions(numel: int, density: float, empty_rows: tuple[int, ...] = (
     return mask.nonzero().squeeze(1)
 
 
-def test_positions_round_trip_through_int16_columns_and_row_starts_in_any_range():
+def test_positions_round_trip_through_int16_columns_and_row_starts_in_chunks_of_any_size():
     numel = 9 * compact.ROW + 123  # ten rows, the last partial, the third empty
     positions = random_positions(numel, 0.6, empty_rows=(2,))
     assert positions.numel() > compact.DENSIFY_CHUNK > compact.GATHER_CHUNK  # densify and gather: several chunks
@@ -106,12 +106,14 @@ def test_positions_round_trip_through_int16_columns_and_row_starts_in_any_range(
     assert row_starts.dtype == torch.int64 and row_starts.numel() == 10 + 1
     assert row_starts[2] == row_starts[3]  # the empty row
     exact(compact.flat_positions(columns, row_starts), positions)
-    # Every range, also those that start or end at a row start (empty rows included).
-    edges = sorted({0, 1, positions.numel() - 1, positions.numel(), *row_starts.tolist()})
-    ranges = {(a, b) for a in edges for b in edges if a <= b} | {(e - 1, e + 1) for e in edges[1:-1]}
-    for start, end in sorted(ranges):
+    # Chunks that end exactly at a row start (the empty row's too), just before or after one, or anywhere.
+    first, empty = int(row_starts[1]), int(row_starts[2])
+    for size in (first - 1, first, first + 1, empty, 7777, compact.GATHER_CHUNK, positions.numel() + 5):
         for dtype in (torch.int32, torch.int64):
-            exact(compact.flat_positions(columns, row_starts, start, end, dtype), positions[start:end].to(dtype))
+            chunks = list(compact.positions_by_chunk(columns, row_starts, size, dtype))
+            assert [entries.start for entries, _ in chunks] == list(range(0, positions.numel(), size))
+            for entries, got in chunks:
+                exact(got, positions[entries].to(dtype))
 
 
 @pytest.mark.parametrize(("dtype", "grad_dtype"), [(torch.float64, torch.float64), (torch.bfloat16, torch.bfloat16),
@@ -322,6 +324,14 @@ def test_checkpointed_compact_convolutions_give_the_gradients_of_no_checkpointin
     assert any(name.endswith("weight_values") for name in plain)
     for name, grad in plain.items():
         torch.testing.assert_close(checkpointed[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_torch_fx_trace_through_a_compact_layer_is_refused_and_leaves_nothing_behind():
+    # A trace would keep the current positions as constants, stale after the next rewiring.
+    model, _ = sparse_model("compact")
+    with pytest.raises(TypeError, match="torch.fx"):
+        fx.symbolic_trace(model)
+    assert not [name for module in model.modules() for name in vars(module) if name.startswith("_tensor_constant")]
 
 
 def test_unsupported_layers_are_refused_naming_the_knob():

@@ -45,7 +45,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 
 _VALUES, _COLUMNS, _ROW_STARTS = "_values", "_columns", "_row_starts"
 _INDEX = (_COLUMNS, _ROW_STARTS)  # the buffers that say where the values are
@@ -53,9 +53,10 @@ _FLAT_POSITIONS = "_positions"  # the former layout's int32 flat positions (conv
 _SHAPES = "_compact_shapes"  # module attribute: {weight attribute: dense shape}
 
 ROW = 1 << 15  # entries per row of a flattened weight: every column index fits in int16
-# Active entries whose flat positions are built at once: ``densify``'s int64 indices (1 MiB) and
-# ``gather``'s int32 ones (256 KiB: a gather runs beside the dense weight gradient, its gathered
-# entries and those of the weights before it in a checkpointed segment, a step's peak moment).
+# Active entries whose flat positions are built at once: ``densify``'s int64 indices (1 MiB, and
+# 512 KiB of int32 while they are summed) and ``gather``'s int32 ones (256 KiB: a gather runs beside
+# the dense weight gradient, its gathered entries and those of the weights before it in a
+# checkpointed segment, a step's peak moment).
 DENSIFY_CHUNK, GATHER_CHUNK = 1 << 17, 1 << 16
 
 
@@ -77,32 +78,43 @@ def encode(positions: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Ten
     return (positions % ROW).to(torch.int16), row_starts
 
 
-def flat_positions(
-    columns: torch.Tensor,
-    row_starts: torch.Tensor,
-    start: int = 0,
-    end: int | None = None,
-    dtype: torch.dtype = torch.int64,
-) -> torch.Tensor:
-    """The flat positions of the active entries ``start:end`` (default: all), a new ``dtype`` tensor.
+def positions_by_chunk(
+    columns: torch.Tensor, row_starts: torch.Tensor, size: int, dtype: torch.dtype = torch.int64
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``(entries, flat positions)`` of consecutive chunks of at most ``size`` active entries: the
+    slice of the active entries and their flat positions, a new ``dtype`` tensor (drop it before
+    asking for the next, so that one chunk's scratch is alive at a time).
 
-    Every row that starts inside the range adds ``ROW`` from its first entry on (rows starting at
-    or before ``start`` all count from the range's first entry), so one cumulative sum of these
-    marks gives row · ROW; the column is added in place. Sizes depend on ``start``/``end`` only: no
-    device synchronisation (CUDA graphs capture it)."""
-    end = columns.numel() if end is None else end
+    Every row that starts inside a chunk adds ``ROW`` from its first entry on (rows starting at or
+    before the chunk's first entry all count there), so one cumulative sum of these marks gives
+    row · ROW; the column is added in place. The sum runs in int32 where the weight allows (a mixed
+    int64 + int16 addition is several times slower on CPU), converted to ``dtype`` last. Sizes
+    depend on the number of entries only: no device synchronisation (CUDA graphs capture it)."""
+    count = columns.numel()
     if row_starts.numel() <= 2:  # a weight of one row: the columns are the flat positions
-        return columns[start:end].to(dtype)
-    count = end - start
-    marks = torch.zeros(count + 1, dtype=dtype, device=columns.device)  # the last slot: rows after the range
-    later_rows = (row_starts[1:-1] - start).clamp_(0, count)
-    marks.index_add_(0, later_rows, marks.new_full((1,), ROW).expand(later_rows.numel()))
-    return marks[:count].cumsum_(0).add_(columns[start:end])
-
-
-def _chunks(count: int, size: int) -> Iterator[tuple[int, int]]:
+        for start in range(0, count, size):
+            entries = slice(start, min(start + size, count))
+            yield entries, columns[entries].to(dtype)
+        return
+    rows = row_starts.numel() - 1
+    summed = torch.int32 if rows * ROW <= torch.iinfo(torch.int32).max else torch.int64
+    later_starts = row_starts[1:-1]
+    row_step = torch.full(later_starts.shape, ROW, dtype=summed, device=columns.device)
     for start in range(0, count, size):
-        yield start, min(start + size, count)
+        entries = slice(start, min(start + size, count))
+        length = entries.stop - start
+        marks = torch.zeros(length + 1, dtype=summed, device=columns.device)  # the last slot: rows after it
+        marks.index_add_(0, (later_starts - start).clamp_(0, length), row_step)
+        positions = marks[:length].cumsum_(0).add_(columns[entries]).to(dtype)
+        del marks
+        yield entries, positions
+        del positions
+
+
+def flat_positions(columns: torch.Tensor, row_starts: torch.Tensor) -> torch.Tensor:
+    """The flat positions of all active entries (increasing), a new int64 tensor."""
+    whole = [positions for _, positions in positions_by_chunk(columns, row_starts, max(1, columns.numel()))]
+    return whole[0] if whole else columns.new_zeros(0, dtype=torch.int64)
 
 
 def densify(
@@ -110,8 +122,9 @@ def densify(
 ) -> torch.Tensor:
     """The dense weight of ``shape``: ``values`` at their positions, zeros elsewhere (no autograd)."""
     dense = values.new_zeros(math.prod(shape))
-    for start, end in _chunks(values.numel(), DENSIFY_CHUNK):
-        dense.index_copy_(0, flat_positions(columns, row_starts, start, end), values[start:end])
+    for entries, positions in positions_by_chunk(columns, row_starts, DENSIFY_CHUNK):
+        dense.index_copy_(0, positions, values[entries])
+        del positions  # before the next chunk's are built
     return dense.view(shape)
 
 
@@ -124,13 +137,12 @@ def gather(
     index_dtype = torch.int32 if flat.numel() <= torch.iinfo(torch.int32).max else torch.int64
     # Made like the columns (model state): activation profilers see a weight gradient, not an activation's.
     out = torch.empty_like(columns, dtype=dtype, device=flat.device)
-    for start, end in _chunks(columns.numel(), GATHER_CHUNK):
-        index = flat_positions(columns, row_starts, start, end, index_dtype)
+    for entries, positions in positions_by_chunk(columns, row_starts, GATHER_CHUNK, index_dtype):
         if dtype == flat.dtype:
-            torch.index_select(flat, 0, index, out=out[start:end])
+            torch.index_select(flat, 0, positions, out=out[entries])
         else:
-            out[start:end] = flat.index_select(0, index)
-        del index  # before the next chunk's is built
+            out[entries] = flat.index_select(0, positions)
+        del positions  # before the next chunk's are built
     return out
 
 
@@ -271,11 +283,21 @@ class _CompactEmbedding(torch.autograd.Function):
         return None, gather(grad_weight, columns, row_starts, values.dtype), None, None, None
 
 
+def _untraced(x: torch.Tensor | fx.Proxy) -> torch.Tensor:
+    """``x``, unless a ``torch.fx`` trace is passing through a compact layer: refused, since the trace
+    would keep the positions of this moment as constants (new tensors held by the traced module,
+    and stale after the next rewiring). Tracers that catch the error run the module as it is."""
+    if isinstance(x, fx.Proxy):
+        raise TypeError("a compact sparse layer cannot be traced by torch.fx (its positions change at each rewiring)")
+    return x
+
+
 def linear(module: nn.Module, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, module.<name>, bias)`` for a bare weight parameter, compact or dense."""
     if not is_compact(module, name):
         return F.linear(x, getattr(module, name), bias)
-    return _CompactLinear.apply(x, _values(module, name), *_index(module, name), bias, module._compact_shapes[name])
+    shape = module._compact_shapes[name]
+    return _CompactLinear.apply(_untraced(x), _values(module, name), *_index(module, name), bias, shape)
 
 
 class _CompactModule:
@@ -291,18 +313,18 @@ class _CompactModule:
 
 class CompactConv2d(_CompactModule, nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _CompactConv2d.apply(x, self.weight_values, *_index(self, "weight"), self.bias, self)
+        return _CompactConv2d.apply(_untraced(x), self.weight_values, *_index(self, "weight"), self.bias, self)
 
 
 class CompactLinear(_CompactModule, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.compact_shape("weight")
-        return _CompactLinear.apply(x, self.weight_values, *_index(self, "weight"), self.bias, shape)
+        return _CompactLinear.apply(_untraced(x), self.weight_values, *_index(self, "weight"), self.bias, shape)
 
 
 class CompactEmbedding(_CompactModule, nn.Embedding):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return _CompactEmbedding.apply(tokens, self.weight_values, *_index(self, "weight"), self)
+        return _CompactEmbedding.apply(_untraced(tokens), self.weight_values, *_index(self, "weight"), self)
 
 
 _COMPACT_CLASSES = {nn.Conv2d: CompactConv2d, nn.Linear: CompactLinear, nn.Embedding: CompactEmbedding}
