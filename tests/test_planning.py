@@ -15,7 +15,7 @@ import torch
 from lowmem.config import ConfigError
 from lowmem.plan import plan
 from lowmem.planning.measure import measure_chain
-from lowmem.planning.optimal import Accounted, BudgetTooSmall, MinibatchAccounting
+from lowmem.planning.optimal import Accounted, BudgetTooSmall, CheckpointPlacement, MinibatchAccounting
 from lowmem.planning.schedule import BlockCosts, ChainCosts, cheapest_plan, predict, smallest_plan
 from lowmem.planning.search import DENSITIES, Planner
 from lowmem.profile import profile_config
@@ -350,3 +350,26 @@ def test_dc_iwslt_small_shapes():
     found = planner.search(top=3)
     assert found and found[0].density == 1.0 and found[0].strategy != "none"
     assert profile_config(planner.compose(found[0]), measure=False)["total_bytes"] <= total
+
+
+@pytest.mark.parametrize("overrides", [(*TINY_WRN,), (*SMALL_DC, "microbatch.size=200")], ids=["wrn", "dc"])
+def test_the_floor_outside_the_stacks_is_below_every_schedule_and_saves_their_measuring(overrides):
+    """``below_floor`` rules microbatch sizes out without measuring blocks: sound only if what the
+    model holds outside its stacks is at most every schedule's accounted activations."""
+    trainer = build_trainer(make_config(*overrides))
+    placement = CheckpointPlacement(trainer)
+    assert not placement.below_floor(10**12)  # every shape's pass run
+    floor = max(outside.activation_bytes for outside in placement._outside.values())
+    assert placement.below_floor(floor - 1) and not placement.below_floor(floor)
+    assert placement._costs is None  # no block measured yet
+    model = trainer.unwrapped_model
+    strategies = [("none", 1), ("residual", 1), ("residual", 2)]
+    if "dc_iwslt" not in overrides[0]:
+        strategies += [("no_bn", 1), ("residual_star", 1), ("residual_star", 2)]
+    for strategy, every in strategies:
+        apply_checkpointing(model, strategy, every)
+        assert floor <= profile_trainer(trainer, measure=False).activation_bytes, strategy
+    apply_checkpointing(model, "none")
+    assert floor <= placement.smallest().activation_bytes
+    assert placement.costs.outside_peak == floor  # the passes are measure_chain's own, reused
+    assert measure_chain(trainer, outside_flops=False) == placement.costs

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -232,7 +233,42 @@ class _Bridge(torch.autograd.Function):
         return torch.zeros(ctx.input_shape, dtype=ctx.input_dtype, device=ctx.input_device), None
 
 
-def measure_chain(trainer: Any, outside_flops: bool = True) -> ChainCosts:
+@dataclass(frozen=True)
+class OutsidePass:
+    """Step 1's memory pass for one microbatch shape: the stacks detached (run without autograd),
+    the backward of what precedes them left out. Its peak (``activation_bytes``) is a lower bound of
+    the accounted activations of every schedule at that shape: a schedule adds the stacks' own
+    memory to the same moments, and what precedes them to the end of backward."""
+
+    activation_bytes: int
+    calls: tuple[_StackCall, ...]  # what each stack was called with, in forward order
+    held_at_start: tuple[int, ...]  # per stack call: the pass's peak so far where it starts
+
+
+def outside_pass(trainer: Any, part: Any, weight: float, passes: FakePasses | None = None) -> OutsidePass:
+    """The ``OutsidePass`` of ``trainer``'s microbatch ``part`` (of loss ``weight``), on ``passes``'
+    fake parameters or on a set of its own. Stacks are measured the way ``measure_chain`` does."""
+    model = trainer.unwrapped_model
+    if not residual_stacks(model) and not installed_runners(model):
+        install_chains(model, find_block_chains(model))
+    model.train()
+    if passes is None:
+        with FakePasses(model) as own:
+            return outside_pass(trainer, part, weight, own)
+    step = functools.partial(trainer.microbatch_backward, weight=weight, local=True)
+    tracer = passes.tracer()
+    recorder = _Recorder(backprop_before=False, peak=lambda: tracer.trace.activation_bytes)
+    _record_with(model, recorder)
+    try:
+        trace = passes.account(step, part, tracer)
+    finally:
+        _record_with(model, None)
+    return OutsidePass(trace.activation_bytes, tuple(recorder.calls), tuple(recorder.held_at_start))
+
+
+def measure_chain(
+    trainer: Any, outside_flops: bool = True, outside: Sequence[OutsidePass | None] = ()
+) -> ChainCosts:
     """The DP's figures for ``trainer``'s first minibatch (see the module docstring).
 
     trainer: a ``lowmem.trainer.Trainer`` (only ``unwrapped_model``, ``example_batch``,
@@ -242,6 +278,8 @@ def measure_chain(trainer: Any, outside_flops: bool = True) -> ChainCosts:
     outside_flops: also measure the FLOPs outside the stacks (one more fake pass per microbatch
         shape); without, ``ChainCosts.outside_flops`` is 0 and the plans' ``flops`` leave them out.
         They add the same to every schedule: the DP chooses the same ones either way.
+    outside: ``OutsidePass``es already run, per distinct microbatch shape in
+        ``distinct_microbatches`` order (None or missing: run here).
     """
     model = trainer.unwrapped_model
     if not residual_stacks(model) and not installed_runners(model):
@@ -250,7 +288,8 @@ def measure_chain(trainer: Any, outside_flops: bool = True) -> ChainCosts:
     distinct = distinct_microbatches(trainer, trainer.example_batch())
     try:
         chains = [
-            (_measure_microbatch(trainer, part, weight, outside_flops), count) for part, weight, count in distinct
+            (_measure_microbatch(trainer, part, weight, outside_flops, known), count)
+            for (part, weight, count), known in itertools.zip_longest(distinct, outside[: len(distinct)])
         ]
     finally:
         _record_with(model, None)
@@ -276,30 +315,28 @@ def _record_with(model: nn.Module, recorder: _Recorder | None) -> None:
             runner.observer = None if recorder is None else functools.partial(recorder.observe, index)
 
 
-def _measure_microbatch(trainer: Any, part: Any, weight: float, outside_flops: bool) -> ChainCosts:
+def _measure_microbatch(
+    trainer: Any, part: Any, weight: float, outside_flops: bool, outside: OutsidePass | None = None
+) -> ChainCosts:
     model = trainer.unwrapped_model
     stacks = _stacks(model)
     step = functools.partial(trainer.microbatch_backward, weight=weight, local=True)
     with FakePasses(model) as passes:
-
-        def recorded_pass(backprop_before: bool) -> tuple[ActivationTrace, _Recorder]:
-            tracer = passes.tracer()
-            recorder = _Recorder(backprop_before, peak=lambda: tracer.trace.activation_bytes)
-            _record_with(model, recorder)
-            return passes.account(step, part, tracer), recorder
-
         # Memory: without the backward of what comes before the stacks, which runs after theirs,
         # when they hold nothing (it is block 0's moment: its incoming gradient leaves it), so the
         # stacks' stored bytes never sit on top of it.
-        outside, recorder = recorded_pass(backprop_before=False)
-        # FLOPs: the whole step but the stacks.
-        whole = recorded_pass(backprop_before=True)[0] if outside_flops else None
-        calls = recorder.calls
+        if outside is None:
+            outside = outside_pass(trainer, part, weight, passes)
+        whole = None
+        if outside_flops:  # FLOPs: the whole step but the stacks
+            _record_with(model, _Recorder(backprop_before=True))
+            whole = passes.account(step, part)
+        calls = outside.calls
         if sorted(call.stack for call in calls) != list(range(len(stacks))):
             raise ValueError(
                 "checkpointing.strategy=optimal needs every residual stack to run exactly once per forward"
             )
-        held_outside = tuple(recorder.held_at_start)
+        held_outside = outside.held_at_start
         _record_with(model, None)
         apply_checkpointing(model, "none")
         measured: dict[tuple, BlockCosts] = {}

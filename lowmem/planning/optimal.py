@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_leaves
 
 from lowmem import distributed
 from lowmem.config import ConfigError
-from lowmem.planning.measure import FakePasses, measure_chain
+from lowmem.planning.measure import FakePasses, OutsidePass, measure_chain, outside_pass
 from lowmem.planning.schedule import ChainCosts, Plan, cheapest_plan, describe, smallest_plan
 from lowmem.profiler import MB
 from lowmem.profiler.step import distinct_microbatches
@@ -156,6 +156,8 @@ class CheckpointPlacement:
         self._smallest: AccountedSchedule | None = None
         self._smallest_plan: Plan | None = None
         self._accounting: MinibatchAccounting | None = None
+        self._parts: list[tuple[Any, float, int]] | None = None  # distinct microbatches (measure_chain's order)
+        self._outside: dict[int, OutsidePass] = {}  # per index in _parts: its outside pass
 
     def moved_to(self, trainer: Any) -> CheckpointPlacement:
         """This placement's figures standing for ``trainer`` (the same configuration but for the
@@ -163,6 +165,7 @@ class CheckpointPlacement:
         placement = CheckpointPlacement(trainer)
         placement._costs, placement._accounted = self._costs, dict(self._accounted)
         placement._smallest, placement._smallest_plan = self._smallest, self._smallest_plan
+        placement._parts, placement._outside = self._parts, dict(self._outside)
         return placement
 
     @property
@@ -172,8 +175,33 @@ class CheckpointPlacement:
         every schedule chosen is accounted for real)."""
         if self._costs is None:
             with _own_random_streams(self.trainer):
-                self._costs = measure_chain(self.trainer, outside_flops=False)
+                outside = [self._outside.get(index) for index in range(len(self._distinct()))]
+                self._costs = measure_chain(self.trainer, outside_flops=False, outside=outside)
         return self._costs
+
+    def _distinct(self) -> list[tuple[Any, float, int]]:
+        if self._parts is None:
+            self._parts = distinct_microbatches(self.trainer, self.trainer.example_batch())
+        return self._parts
+
+    def below_floor(self, budget: int) -> bool:
+        """Whether ``budget`` bytes are below what the model holds outside its stacks alone at some
+        microbatch shape (``lowmem.planning.measure.OutsidePass``, a lower bound of every schedule's
+        accounting): then no schedule fits. One fake pass per shape, largest first, up to the first
+        that tells, without measuring the blocks (a sixth of the work on DynamicConv, where the
+        logits and loss outside the stacks make the bound tight); ``costs`` reuses the passes."""
+        if self._costs is not None:
+            return self._costs.outside_peak > budget
+        parts = self._distinct()
+        largest_first = sorted(range(len(parts)), key=lambda index: -sum(t.numel() for t in _tensors(parts[index][0])))
+        for index in largest_first:
+            if index not in self._outside:
+                part, weight, _ = parts[index]
+                with _own_random_streams(self.trainer):
+                    self._outside[index] = outside_pass(self.trainer, part, weight)
+            if self._outside[index].activation_bytes > budget:
+                return True
+        return False
 
     @property
     def accountings(self) -> int:
@@ -191,6 +219,8 @@ class CheckpointPlacement:
         microbatch shapes than it takes to tell."""
         if self._smallest is not None:
             return self._smallest.activation_bytes <= budget
+        if self.below_floor(budget):
+            return False
         plan = self._plan_of_smallest()
         return self._accounted_figures(plan, above=budget).activation_bytes <= budget
 

@@ -354,10 +354,13 @@ class Planner:
         return self._valid[precision]
 
     def _sizes_that_may_fit(self, density: float, precision: str, bits: int | None) -> tuple[int | None, ...]:
-        """The valid microbatch sizes whose smallest schedule leaves the activations within what
-        ``density``, ``precision`` and ``bits`` leave of the budget: a suffix of ``_valid_sizes``,
-        as every activation grows with the microbatch, found by bisection (a few measurements, not
-        one per size). Without optimal among the strategies, every valid size."""
+        """The valid microbatch sizes where what the model holds outside its residual stacks alone
+        (``CheckpointPlacement.below_floor``: a lower bound of every schedule's activations) is
+        within what ``density``, ``precision`` and ``bits`` leave of the budget: a suffix of
+        ``_valid_sizes``, as it grows with the microbatch, found by bisection (a few fake passes
+        without measuring any block). ``_fitting`` then tells, size by size in preference order,
+        whether the smallest schedule fits: no blocks are measured for sizes the search never
+        reaches. Without optimal among the strategies, every valid size."""
         room = self._room(density, precision, bits)
         if room <= 0:
             return ()
@@ -367,7 +370,7 @@ class Planner:
         low, high = 0, len(sizes)  # sizes[high:] fit; sizes[:low] do not
         while low < high:
             middle = (low + high) // 2
-            if self._placement(precision, sizes[middle]).reaches(room):
+            if not self._placement(precision, sizes[middle]).below_floor(room):
                 high = middle
             else:
                 low = middle + 1
