@@ -34,8 +34,9 @@ from omegaconf import DictConfig
 
 from lowmem.cli_errors import one_line_errors
 from lowmem.config import ConfigError, register_configs
+from lowmem.planning import ahead
 from lowmem.planning.search import Candidate, Planner
-from lowmem.profiler import MB, profile_row
+from lowmem.profiler import MB, MemoryReport, profile_row
 from lowmem.run_files import save_json
 
 register_configs()
@@ -99,15 +100,19 @@ def plan_search(
     started = time.perf_counter()
     budget = round(budget_mb * MB)
     planner = Planner(overrides, budget, build=build)
-    found = planner.search(top)
+    # The chosen configuration, built from its overrides as lowmem.train will build it and profiled:
+    # the best one found is, by a forked child while the search goes on (lowmem.planning.ahead).
+    profiled: dict[Candidate, tuple[MemoryReport, dict[str, Any]]] = {}
+    with ahead.Ahead(lambda chosen: profile_row(planner.build_chosen(chosen), verify), profiled.__setitem__) as early:
+        found = planner.search(top, first=early.start if not verify and ahead.usable() else None)
+        searched = time.perf_counter() - started
+        early.collect()
     if not found:
         smallest = planner.smallest()
         raise NothingFits(budget_mb, smallest, planner.overrides(smallest))
-    searched = time.perf_counter() - started
     say(table(planner, found, budget_mb))
-    # The chosen configuration, built from its overrides as lowmem.train will build it.
     for chosen in found:
-        report, row = profile_row(planner.build_chosen(chosen), verify)
+        report, row = profiled.pop(chosen, None) or profile_row(planner.build_chosen(chosen), verify)
         figures = (row["activation_bytes"], row["flops"])
         if chosen.strategy == "optimal" and figures != (chosen.activation_bytes, chosen.flops):
             # The search's schedule does not stand for this build: its checkpoints placed afresh.

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import lowmem
+from lowmem.profiler import account_activations
 from lowmem.techniques import compact
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
@@ -341,3 +342,26 @@ def test_unsupported_layers_are_refused_naming_the_knob():
             DynamicSparsity(model, [name], 0.5, schedule=every(10))
         DynamicSparsity(nn.Sequential(nn.Conv2d(2, 2, 3, padding="same"), nn.Conv1d(2, 2, 3)), [name], 0.5,
                         schedule=every(10), storage="masked")
+
+
+def test_a_fake_pass_makes_positions_in_one_op_and_accounts_as_the_computed_chunks_would(monkeypatch):
+    """Fake passes (the profiler's, the planner's) make each layer's positions as one valueless
+    tensor: a fake op costs the same at any size, and integer scratch is never counted, so the
+    figures are those of the chunked computation a real step runs."""
+    model, _ = sparse_model("compact")
+    images, tokens, _ = batch(0)
+
+    def step(inputs) -> None:
+        images, tokens = inputs
+        model(images.requires_grad_(), tokens).square().sum().backward()
+
+    shortcuts = []
+    without_values = compact._without_values
+    recorded = lambda columns: shortcuts.append(without_values(columns)) or shortcuts[-1]  # noqa: E731
+    monkeypatch.setattr(compact, "_without_values", recorded)
+    at_once = account_activations(step, model, inputs=(images, tokens))
+    assert shortcuts and all(shortcuts)  # every layer's positions made without computing
+    monkeypatch.setattr(compact, "_without_values", lambda columns: False)  # computed, as in a real step
+    monkeypatch.setattr(compact, "DENSIFY_CHUNK", 3)
+    monkeypatch.setattr(compact, "GATHER_CHUNK", 2)
+    assert account_activations(step, model, inputs=(images, tokens)) == at_once

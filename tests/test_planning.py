@@ -14,6 +14,7 @@ import torch
 
 from lowmem.config import ConfigError
 from lowmem.plan import plan
+from lowmem.planning import ahead
 from lowmem.planning.measure import measure_chain
 from lowmem.planning.optimal import Accounted, BudgetTooSmall, CheckpointPlacement, MinibatchAccounting
 from lowmem.planning.schedule import BlockCosts, ChainCosts, cheapest_plan, predict, smallest_plan
@@ -373,3 +374,36 @@ def test_the_floor_outside_the_stacks_is_below_every_schedule_and_saves_their_me
     assert floor <= placement.smallest().activation_bytes
     assert placement.costs.outside_peak == floor  # the passes are measure_chain's own, reused
     assert measure_chain(trainer, outside_flops=False) == placement.costs
+
+
+def test_a_forked_helper_fills_caches_ahead_and_changes_no_answer():
+    """lowmem.planning.ahead: a forked child accounts the next microbatch size while this process
+    accounts the current one; the configurations found are those of a single process."""
+    overrides = [*TINY_WRN, "precision=fp32", "sparsity.density=1.0", "optim.state_bits=null",
+                 "checkpointing.strategy=optimal"]  # fmt: skip
+    alone = Planner(overrides, budget_bytes=10**12)
+    alone.parallel = False
+    expected = alone.search(top=3)
+    assert len({c.microbatch for c in expected}) >= 2  # several microbatch sizes: tasks to share
+    helped = Planner(overrides, budget_bytes=10**12)
+    started = []
+    with pytest.MonkeyPatch.context() as patch:
+        start = ahead.Ahead.start
+        patch.setattr(ahead.Ahead, "start", lambda self, task: started.append(task) or start(self, task))
+        assert helped.search(top=3) == expected
+    assert started  # the child did run
+    assert helped.search(top=3) == expected  # and what it merged is what a process finds alone
+
+
+def test_a_forked_helper_that_fails_or_is_cancelled_leaves_the_work_here():
+    merged = {}
+    with ahead.Ahead(lambda task: {"task": task}, merged.__setitem__) as helper:
+        helper.start("a")
+        assert helper.running() == "a"
+        helper.collect()
+        helper.start("b")  # still running when the block ends: cancelled, nothing merged
+    assert merged == {"a": {"task": "a"}}  # "b" was cancelled on exit
+    with ahead.Ahead(lambda task: 1 / 0, merged.__setitem__) as helper:
+        helper.start("c")
+        helper.collect()
+    assert "c" not in merged and helper.running() is None

@@ -97,6 +97,17 @@ class MinibatchAccounting:
         complete = len(figures) == len(self.parts)
         return Accounted(max(a for a, _ in figures), sum(f for _, f in figures), complete)
 
+    def found(self) -> dict[Hashable, list[tuple[int, int]]]:
+        """The per-shape figures accounted so far, per schedule (plain data, for ``merge``)."""
+        return {key: list(figures) for key, figures in self._figures.items()}
+
+    def merge(self, found: dict[Hashable, list[tuple[int, int]]]) -> None:
+        """Take figures another process accounted for this trainer's configuration (shapes come
+        largest first everywhere: a longer list extends a shorter one)."""
+        for key, figures in found.items():
+            if len(figures) > len(self._figures.get(key, ())):
+                self._figures[key] = list(figures)
+
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
@@ -167,6 +178,31 @@ class CheckpointPlacement:
         placement._smallest, placement._smallest_plan = self._smallest, self._smallest_plan
         placement._parts, placement._outside = self._parts, dict(self._outside)
         return placement
+
+    def found(self) -> dict[str, Any]:
+        """What this placement measured and accounted so far (plain data, for ``merge``)."""
+        return {
+            "costs": self._costs,
+            "accounted": dict(self._accounted),
+            "smallest": self._smallest,
+            "smallest_plan": self._smallest_plan,
+            "outside": dict(self._outside),
+            "figures": None if self._accounting is None else self._accounting.found(),
+        }
+
+    def merge(self, found: dict[str, Any]) -> None:
+        """Take what another process's placement for this configuration found (``found``): the
+        figures are deterministic, so this only saves measuring them here."""
+        self._costs = self._costs or found["costs"]
+        self._smallest_plan = self._smallest_plan or found["smallest_plan"]
+        self._smallest = self._smallest or found["smallest"]
+        self._accounted = {**found["accounted"], **self._accounted}
+        for index, outside in found["outside"].items():
+            self._outside.setdefault(index, outside)
+        if found["figures"]:
+            if self._accounting is None:
+                self._accounting = MinibatchAccounting(self.trainer)
+            self._accounting.merge(found["figures"])
 
     @property
     def costs(self) -> ChainCosts:

@@ -32,6 +32,13 @@ reuses one ``CheckpointPlacement`` per trainer, which measures the blocks once a
 smallest activations any schedule reaches there: the microbatch sizes that can fit are found by
 bisection on it. All of it is cached, and the search runs in preference order and stops once
 ``plan.top`` configurations fit.
+
+Microbatch sizes are ruled out first by what the model holds outside its residual stacks
+(``CheckpointPlacement.below_floor``, a lower bound of every schedule: one fake pass per shape,
+no block measured); blocks are measured only for the sizes the search reaches. With two CPUs or
+more, a forked child (``lowmem.planning.ahead``) accounts the next size while this process
+accounts the current one, and ``lowmem.plan`` has the best configuration built and profiled by
+another as soon as it is known: the caches they fill are the answer a single process finds.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from lowmem.config import QUANTIZED_STATE_BITS, ConfigError, compose, state_width
+from lowmem.planning import ahead
 from lowmem.planning.optimal import AccountedSchedule, CheckpointPlacement, MinibatchAccounting, reusing_placement
 from lowmem.planning.reported import reported_metric
 from lowmem.profiler import MB, StateBytes, account_state
@@ -135,6 +143,7 @@ class Planner:
         self, overrides: Sequence[str], budget_bytes: int, build: Callable[[DictConfig], Trainer] | None = None
     ) -> None:
         self.build = build_trainer if build is None else build  # a trainer from a configuration
+        self.parallel = True  # a forked child accounts ahead where it can (lowmem.planning.ahead)
         given = [o for o in overrides if not knob_of(o).startswith(("hydra.", "plan."))]
         if any(knob_of(o) == "checkpointing.budget_mb" for o in given):
             raise ConfigError(
@@ -187,8 +196,10 @@ class Planner:
         return ()  # the width of another searched precision: not this one's
 
     # --- the search ----------------------------------------------------------------------------
-    def search(self, top: int) -> list[Candidate]:
-        """Up to ``top`` configurations that fit, best first (the preference order)."""
+    def search(self, top: int, first: Callable[[Candidate], None] | None = None) -> list[Candidate]:
+        """Up to ``top`` configurations that fit, best first (the preference order). ``first`` is
+        called with the best one as soon as it is known (later ones rank below it), while the
+        search goes on."""
         found: list[Candidate] = []
         with _quiet_builds():
             for density in self.densities:
@@ -201,18 +212,87 @@ class Planner:
                     ]
                     # Per precision and state bits, the microbatch sizes worth accounting at this density.
                     sizes = {pair: self._sizes_that_may_fit(density, *pair) for pair in pairs}
-                    for microbatch in self.microbatches:
-                        group = [
-                            candidate
-                            for pair in pairs
-                            if microbatch in sizes[pair]
-                            for candidate in self._fitting(density, *pair, microbatch)
-                        ]
-                        group.sort(key=lambda c: (c.flops, self.precisions.index(c.precision), c.total_bytes))
-                        found.extend(group)
-                        if len(found) >= top:
-                            return found[:top]
+                    tasks = [
+                        (density, *pair, microbatch)
+                        for microbatch in self.microbatches
+                        for pair in pairs
+                        if microbatch in sizes[pair]
+                    ]
+                    with self._ahead_of(tasks, top) as next_task:
+                        for microbatch in self.microbatches:
+                            group = []
+                            for task in tasks:
+                                if task[-1] == microbatch:
+                                    next_task(task, len(found) + len(group))
+                                    group.extend(self._fitting(*task))
+                            group.sort(key=lambda c: (c.flops, self.precisions.index(c.precision), c.total_bytes))
+                            if group and not found and first is not None:
+                                first(group[0])
+                            found.extend(group)
+                            if len(found) >= top:
+                                return found[:top]
         return found
+
+    @contextlib.contextmanager
+    def _ahead_of(self, tasks: list[tuple], top: int) -> Iterator[Callable[[tuple, int], None]]:
+        """Yields ``next_task(task, found)``, called before this process runs ``_fitting(*task)`` with
+        ``found`` configurations found so far. Where it can (``parallel``), a forked child
+        (``lowmem.planning.ahead``) computes the task after the one this process computes next, and
+        its figures are merged here before that task is reached. While the child still computes
+        ``task``, this process computes later tasks the search is sure to reach (even if every
+        task before them yielded the most configurations a task can, fewer than ``top``)."""
+        if not self.parallel or len(tasks) < 2 or not ahead.usable():
+            yield lambda task, found: None
+            return
+        merged: set[tuple] = set()  # tasks whose figures are here (the child's, or computed ahead)
+        most = len(self.strategies)  # configurations one task can yield at most
+
+        def compute(task: tuple) -> dict:
+            self._fitting(*task)
+            return self.export(task[1], task[3])
+
+        def merge(task: tuple, data: dict) -> None:
+            self.merge(task[1], task[3], data)
+            merged.add(task)
+
+        with ahead.Ahead(compute, merge) as helper:
+
+            def next_task(task: tuple, found: int) -> None:
+                index = tasks.index(task)
+                while helper.running() == task and not helper.finished():
+                    later = [t for t in tasks[index + 1 :] if t not in merged]
+                    if not later or found + most * tasks.index(later[0], index) - most * index >= top:
+                        break
+                    self._fitting(*later[0])
+                    merged.add(later[0])
+                if helper.running() == task:
+                    helper.collect()
+                # What this process computes next (``task`` itself unless merged), then the child's.
+                pending = [t for t in tasks[index:] if t not in merged]
+                if helper.running() is None and len(pending) >= 2:
+                    helper.start(pending[1])
+
+            yield next_task
+
+    def export(self, precision: str, microbatch: int | None) -> dict:
+        """What this planner measured and accounted for (precision, microbatch): plain data."""
+        key = (precision, microbatch)
+        placement, accounting = self._placements.get(key), self._accountings.get(key)
+        return {
+            "placement": None if placement is None else placement.found(),
+            "figures": None if accounting is None else accounting.found(),
+            "refused": {refused for refused in self._refused if refused[:2] == key},
+        }
+
+    def merge(self, precision: str, microbatch: int | None, data: dict) -> None:
+        """Take another process's ``export`` for (precision, microbatch) into the caches."""
+        if self._trainer_for(precision, microbatch) is None:
+            return
+        if data["placement"] is not None:
+            self._placement(precision, microbatch).merge(data["placement"])
+        if data["figures"] is not None:
+            self._accounting(precision, microbatch).merge(data["figures"])
+        self._refused |= data["refused"]
 
     def smallest(self) -> Candidate:
         """The configuration with the smallest accounted total in the searched space: the lowest
@@ -367,7 +447,9 @@ class Planner:
         sizes = self._valid_sizes(precision)
         if not self._optimal_allowed:
             return sizes
-        low, high = 0, len(sizes)  # sizes[high:] fit; sizes[:low] do not
+        if self._placement(precision, sizes[-1]).below_floor(room):
+            return ()  # not even the smallest size (the likeliest answer where nothing fits: one probe)
+        low, high = 0, len(sizes) - 1  # sizes[high:] fit; sizes[:low] do not
         while low < high:
             middle = (low + high) // 2
             if not self._placement(precision, sizes[middle]).below_floor(room):
