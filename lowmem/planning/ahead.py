@@ -10,7 +10,8 @@ one a single process gets: the child only fills caches ahead of time. A child th
 reason sends nothing, and the work is done here as before.
 
 Used only where it is safe and worth it: ``os.fork`` exists, at least two CPUs are usable, CUDA is
-not initialized in this process (a forked child cannot use it), and not inside a child itself.
+not initialized in this process (a forked child cannot use it), no process group is (the child
+must not take part in collectives), and not inside a child itself.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def usable() -> bool:
     if _IN_CHILD or not hasattr(os, "fork"):
         return False
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cpus >= 2 and not torch.cuda.is_initialized()
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return cpus >= 2 and not torch.cuda.is_initialized() and not distributed
 
 
 class Ahead:
