@@ -261,7 +261,7 @@ class Planner:
                 index = tasks.index(task)
                 while helper.running() == task and not helper.finished():
                     later = [t for t in tasks[index + 1 :] if t not in merged]
-                    if not later or found + most * tasks.index(later[0], index) - most * index >= top:
+                    if not later or found + most * (tasks.index(later[0]) - index) >= top:
                         break
                     self._fitting(*later[0])
                     merged.add(later[0])
