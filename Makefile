@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-translation test test-fast lint bench gpu-check gpu-report fairseq clean-venv
+.PHONY: demo demo-translation test test-fast lint bench bench-accuracy gpu-check gpu-report fairseq clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,13 @@ bench: $(STAMP)
 	$(PY) scripts/table4_memory.py
 	$(PY) scripts/optimal_curve.py
 	$(PY) scripts/bench_your_model.py
+	$(PY) scripts/bench_state_bits.py --part bytes
+	$(PY) scripts/bench_state_bits.py --part blocks
+
+# 8- and 4-bit optimizer state against 16-bit: WRN-28-2 and DynamicConv accuracy over 3 seeds
+# (~90 min on 2 CPU cores; resumable: finished runs are kept under outputs/bench_state_bits).
+bench-accuracy: $(STAMP)
+	$(PY) scripts/bench_state_bits.py --part accuracy --seeds 0 1 2 --json outputs/bench_state_bits/accuracy.json
 
 # Optional: fairseq (a Python 3.11 fork, built against the installed torch, ~4 min) for the parity
 # tests in tests/test_fairseq_parity.py, which are skipped without it.

@@ -74,7 +74,10 @@ def planned_dc(budget_mb: float = 200.0) -> tuple[list[str], dict[int, dict[str,
     """The 16-bit-state plan for DynamicConv within ``budget_mb``, re-accounted with 8- and 4-bit state."""
     from lowmem.plan import plan_search
 
+    started = time.perf_counter()
     found = plan_search(["+recipe=dc_iwslt", "data=fake"], budget_mb, top=1, echo=False)
+    print(f"lowmem.plan +recipe=dc_iwslt data=fake plan.budget_mb={budget_mb:g} (top 1): "
+          f"{time.perf_counter() - started:.1f} s, {found['search_seconds']:.1f} s searching", flush=True)  # fmt: skip
     chosen = [o for o in found["overrides"] if not o.startswith("optim.state_bits=")]
     return chosen, state_bytes(["+recipe=dc_iwslt", "data=fake", *chosen])
 
