@@ -407,3 +407,15 @@ def test_a_forked_helper_that_fails_or_is_cancelled_leaves_the_work_here():
         helper.start("c")
         helper.collect()
     assert "c" not in merged and helper.running() is None
+
+
+def test_a_forked_helper_that_never_answers_is_stopped_after_its_patience():
+    import time
+
+    merged = {}
+    with ahead.Ahead(lambda task: time.sleep(60), merged.__setitem__, patience=0.5) as helper:
+        helper.start("slow")
+        started = time.perf_counter()
+        helper.collect()
+        assert time.perf_counter() - started < 10 and helper.running() is None
+    assert merged == {}

@@ -17,6 +17,7 @@ must not take part in collectives), and not inside a child itself.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import select
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 _IN_CHILD = False
+log = logging.getLogger("lowmem")
 
 
 def usable() -> bool:
@@ -45,8 +47,13 @@ class Ahead:
     merge(task, data): run here with that data.
     """
 
-    def __init__(self, compute: Callable[[Any], Any], merge: Callable[[Any, Any], None]) -> None:
+    def __init__(
+        self, compute: Callable[[Any], Any], merge: Callable[[Any, Any], None], patience: float = 600.0
+    ) -> None:
         self.compute, self.merge = compute, merge
+        # Seconds ``collect`` waits for an answer before it stops the child (a fork can deadlock on a
+        # lock another thread held): the task is then computed here, as without a child.
+        self.patience = patience
         self._child: tuple[Any, int, int] | None = None  # task, pid, read end of its pipe
 
     def start(self, task: Any) -> None:
@@ -75,14 +82,21 @@ class Ahead:
 
     def finished(self) -> bool:
         """Whether the child's answer is ready (or it died): ``collect`` would not wait."""
+        return self._answers_within(0)
+
+    def _answers_within(self, seconds: float) -> bool:
         if self._child is None:
             return True
-        readable, _, _ = select.select([self._child[2]], [], [], 0)
+        readable, _, _ = select.select([self._child[2]], [], [], seconds)
         return bool(readable)
 
     def collect(self) -> None:
         """Wait for the child, if any, and merge what it sends (nothing, if it failed)."""
         if self._child is None:
+            return
+        if not self._answers_within(self.patience):
+            log.warning("lowmem.plan: a helper process gave no answer in %.0f s; its work is done here", self.patience)
+            self.cancel()
             return
         task, pid, read = self._child
         self._child = None
