@@ -248,10 +248,7 @@ class OutsidePass:
 def outside_pass(trainer: Any, part: Any, weight: float, passes: FakePasses | None = None) -> OutsidePass:
     """The ``OutsidePass`` of ``trainer``'s microbatch ``part`` (of loss ``weight``), on ``passes``'
     fake parameters or on a set of its own. Stacks are measured the way ``measure_chain`` does."""
-    model = trainer.unwrapped_model
-    if not residual_stacks(model) and not installed_runners(model):
-        install_chains(model, find_block_chains(model))
-    model.train()
+    model = _ready_to_measure(trainer)
     if passes is None:
         with FakePasses(model) as own:
             return outside_pass(trainer, part, weight, own)
@@ -281,10 +278,7 @@ def measure_chain(
     outside: ``OutsidePass``es already run, per distinct microbatch shape in
         ``distinct_microbatches`` order (None or missing: run here).
     """
-    model = trainer.unwrapped_model
-    if not residual_stacks(model) and not installed_runners(model):
-        install_chains(model, find_block_chains(model))
-    model.train()
+    model = _ready_to_measure(trainer)
     distinct = distinct_microbatches(trainer, trainer.example_batch())
     try:
         chains = [
@@ -295,6 +289,16 @@ def measure_chain(
         _record_with(model, None)
         apply_checkpointing(model, "none")
     return _merge(chains)
+
+
+def _ready_to_measure(trainer: Any) -> nn.Module:
+    """``trainer``'s model in training mode, with its chains of blocks detected and installed if it
+    declares no residual stacks and has none installed."""
+    model = trainer.unwrapped_model
+    if not residual_stacks(model) and not installed_runners(model):
+        install_chains(model, find_block_chains(model))
+    model.train()
+    return model
 
 
 def _stacks(model: nn.Module) -> list[list[nn.Module]]:

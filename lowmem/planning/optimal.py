@@ -76,7 +76,7 @@ class MinibatchAccounting:
         self.trainer = trainer
         parts = distinct_microbatches(trainer, trainer.example_batch())
         # Largest first: the likeliest to exceed a bound.
-        self.parts = sorted(parts, key=lambda entry: -sum(t.numel() for t in _tensors(entry[0])))
+        self.parts = sorted(parts, key=lambda entry: -_numel(entry[0]))
         self._figures: dict[Hashable, list[tuple[int, int]]] = {}  # per shape: activation bytes, FLOPs x count
 
     def account(self, key: Hashable, apply: Callable[[], object], above: int | None = None) -> Accounted:
@@ -109,8 +109,9 @@ class MinibatchAccounting:
                 self._figures[key] = list(figures)
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+def _numel(part: Any) -> int:
+    """Elements in a microbatch's tensors: the order, largest first, in which shapes are accounted."""
+    return sum(t.numel() for t in tree_leaves(part) if isinstance(t, torch.Tensor))
 
 
 def _own_random_streams(trainer: Any) -> Any:
@@ -174,9 +175,7 @@ class CheckpointPlacement:
         """This placement's figures standing for ``trainer`` (the same configuration but for the
         density, which changes no activation), whose model it then applies schedules to."""
         placement = CheckpointPlacement(trainer)
-        placement._costs, placement._accounted = self._costs, dict(self._accounted)
-        placement._smallest, placement._smallest_plan = self._smallest, self._smallest_plan
-        placement._parts, placement._outside = self._parts, dict(self._outside)
+        placement.merge({**self.found(), "figures": None})  # per-shape figures stay with their trainer
         return placement
 
     def found(self) -> dict[str, Any]:
@@ -229,7 +228,7 @@ class CheckpointPlacement:
         if self._costs is not None:
             return self._costs.outside_peak > budget
         parts = self._distinct()
-        largest_first = sorted(range(len(parts)), key=lambda index: -sum(t.numel() for t in _tensors(parts[index][0])))
+        largest_first = sorted(range(len(parts)), key=lambda index: -_numel(parts[index][0]))
         for index in largest_first:
             if index not in self._outside:
                 part, weight, _ = parts[index]

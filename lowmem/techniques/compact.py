@@ -126,8 +126,9 @@ def _without_values(columns: torch.Tensor) -> bool:
 
 def flat_positions(columns: torch.Tensor, row_starts: torch.Tensor) -> torch.Tensor:
     """The flat positions of all active entries (increasing), a new int64 tensor."""
-    whole = [positions for _, positions in positions_by_chunk(columns, row_starts, max(1, columns.numel()))]
-    return whole[0] if whole else columns.new_zeros(0, dtype=torch.int64)
+    for _, positions in positions_by_chunk(columns, row_starts, max(1, columns.numel())):
+        return positions  # the one chunk
+    return columns.new_zeros(0, dtype=torch.int64)
 
 
 def densify(
