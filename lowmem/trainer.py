@@ -57,7 +57,7 @@ from lowmem.techniques.precision import (
     make_loss_scaler,
     make_policy,
 )
-from lowmem.techniques.replay import EagerMicrobatches, make_microbatch_runner
+from lowmem.techniques.replay import EagerMicrobatches, ReplayedMicrobatches, make_microbatch_runner
 from lowmem.techniques.sparsity import DynamicSparsity
 from lowmem.techniques.targets import default_sparse_weights
 
@@ -135,6 +135,14 @@ class Trainer:
     @property
     def unwrapped_model(self) -> nn.Module:
         return getattr(self.model, "module", self.model)
+
+    @property
+    def replays_microbatches(self) -> bool:
+        """Whether repeating microbatch shapes are captured and replayed (``trainer.cuda_graphs=auto``
+        on CUDA): their activations then stay reserved in the graphs' memory pool for the run, and
+        the accounting counts eager microbatches on top of it (``MemoryReport.graph_pool_bytes``)."""
+        runner = self.microbatch_runner
+        return isinstance(runner, ReplayedMicrobatches) and runner.disabled is None
 
     # --- one minibatch -------------------------------------------------------------------------
     def microbatches(self, batch: Any) -> list[tuple[Any, float]]:

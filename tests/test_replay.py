@@ -539,3 +539,51 @@ def test_shapes_waiting_to_repeat_are_remembered_up_to_a_bound(monkeypatch):
         runner.start_step(params)
         runner.forward_backward(model, microbatch(size, seed=0), 1.0)
     assert len(runner.sightings) == 2 and not runner.graphs  # shape 2 counted afresh: not captured
+
+
+# --- the graph pool in the accounting ------------------------------------------------------------
+
+
+def test_accounting_holds_the_replayed_shape_in_the_graph_pool_and_eager_microbatches_on_top():
+    # 20 examples in microbatches of 6: the shape of 6 is replayed (its activations stay in the
+    # graphs' pool for the run), the last of 2 runs eagerly on top of that pool.
+    from lowmem.profiler.step import profile_trainer
+
+    plain = profile_trainer(tiny_trainer("microbatch.size=6"), measure=False)
+    assert plain.graph_pool_bytes == 0 and plain.total_with_graph_pool_bytes == plain.total_bytes
+    assert "with CUDA graph replay" not in plain.table()
+    trainer = tiny_trainer("microbatch.size=6")
+    replaying(trainer)
+    assert trainer.replays_microbatches
+    report = profile_trainer(trainer, measure=False)
+    two = profile_trainer(tiny_trainer("data.batch_size=2"), measure=False)  # one eager microbatch of 2
+    assert report.total_bytes == plain.total_bytes
+    assert report.graph_pool_bytes == report.activation_bytes  # the shape of 6 is the largest
+    assert two.activation_bytes > 0
+    assert report.total_with_graph_pool_bytes == report.total_bytes + two.activation_bytes
+    assert "with CUDA graph replay" in report.table()
+    # Every microbatch replayed (no short one): nothing on top of the pool.
+    even = tiny_trainer("microbatch.size=5")
+    replaying(even)
+    evenly = profile_trainer(even, measure=False)
+    assert evenly.graph_pool_bytes == evenly.activation_bytes
+    assert evenly.total_with_graph_pool_bytes == evenly.total_bytes
+    # A runner that turned eager holds no pool.
+    even.microbatch_runner.disabled = "a test"
+    assert not even.replays_microbatches
+    assert profile_trainer(even, measure=False).graph_pool_bytes == 0
+
+
+def test_the_planners_accounting_adds_eager_microbatches_to_the_graph_pool():
+    from lowmem.planning.optimal import MinibatchAccounting
+    from lowmem.profiler.step import profile_trainer
+
+    trainer = tiny_trainer("microbatch.size=6")
+    eager = MinibatchAccounting(trainer).account("none", lambda: None)
+    replaying(trainer)
+    replayed = MinibatchAccounting(trainer).account("none", lambda: None)
+    report = profile_trainer(trainer, measure=False)
+    assert eager.activation_bytes == report.activation_bytes
+    held = report.total_with_graph_pool_bytes - report.model_bytes - report.optimizer_bytes
+    assert replayed.complete and replayed.activation_bytes == held > eager.activation_bytes
+    assert replayed.flops == eager.flops

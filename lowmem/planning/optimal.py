@@ -44,6 +44,7 @@ from lowmem.config import ConfigError
 from lowmem.planning.measure import FakePasses, OutsidePass, measure_chain, outside_pass
 from lowmem.planning.schedule import ChainCosts, Plan, cheapest_plan, describe, smallest_plan
 from lowmem.profiler import MB
+from lowmem.profiler.report import replayed_activations
 from lowmem.profiler.step import distinct_microbatches
 from lowmem.techniques.chains import ensure_chains
 from lowmem.techniques.checkpointing import Segment, apply_schedule
@@ -56,9 +57,10 @@ _REUSED: ContextVar[CheckpointPlacement | None] = ContextVar("lowmem_reused_plac
 
 @dataclass(frozen=True)
 class Accounted:
-    """Activation bytes (the most of any microbatch) and FLOPs (of those accounted) of a minibatch;
-    not ``complete``: only its first microbatch shapes are accounted, and the bytes exceed the
-    bound asked for (a lower bound of the complete figure)."""
+    """Activation bytes (the most of any microbatch; with CUDA graph replay, the graph pool's replayed
+    shape plus the largest eager shape on top, as ``profile_step``'s ``total_with_graph_pool_bytes``)
+    and FLOPs (of those accounted) of a minibatch; not ``complete``: only its first microbatch shapes
+    are accounted, and the bytes exceed the bound asked for (a lower bound of the complete figure)."""
 
     activation_bytes: int
     flops: int
@@ -77,6 +79,13 @@ class MinibatchAccounting:
         parts = distinct_microbatches(trainer, trainer.example_batch())
         # Largest first: the likeliest to exceed a bound.
         self.parts = sorted(parts, key=lambda entry: -_numel(entry[0]))
+        # With CUDA graph replay the shape a step starts with is replayed from the graphs' pool, held
+        # for the run; the other shapes run eagerly on top of it (``profile_trainer`` alike).
+        self.replayed = (
+            next(i for i, entry in enumerate(self.parts) if entry is parts[0])
+            if parts and getattr(trainer, "replays_microbatches", False)
+            else None
+        )
         self._figures: dict[Hashable, list[tuple[int, int]]] = {}  # per shape: activation bytes, FLOPs x count
 
     def account(self, key: Hashable, apply: Callable[[], object], above: int | None = None) -> Accounted:
@@ -95,7 +104,11 @@ class MinibatchAccounting:
                     if above is not None and trace.activation_bytes > above:
                         break
         complete = len(figures) == len(self.parts)
-        return Accounted(max(a for a, _ in figures), sum(f for _, f in figures), complete)
+        activations = max(a for a, _ in figures)
+        if complete and self.replayed is not None:
+            pool, eager = replayed_activations([(a, i == self.replayed) for i, (a, _) in enumerate(figures)])
+            activations = pool + eager
+        return Accounted(activations, sum(f for _, f in figures), complete)
 
     def found(self) -> dict[Hashable, list[tuple[int, int]]]:
         """The per-shape figures accounted so far, per schedule (plain data, for ``merge``)."""

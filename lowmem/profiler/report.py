@@ -7,6 +7,12 @@ Two different figures, never mixed (SPEC §4):
   needs, read off the real autograd graph: ``lowmem.profiler.activations``), ``total_bytes`` their sum;
   ``activation_held_bytes`` is the same tensors' peak as this run's autograd really held them
   (gradients until their storage dies, not only while a node needs them);
+- with CUDA graph replay (``trainer.cuda_graphs=auto`` on CUDA), the activations of a replayed
+  microbatch shape live in the graphs' private memory pool, which stays reserved for the whole run:
+  ``graph_pool_bytes`` is that pool's accounted content (the replayed shapes' activations), and
+  microbatches run eagerly (a short last one) allocate on top of it, so the run holds
+  ``total_with_graph_pool_bytes`` = model + optimizer + pool + the eager shapes' activations (equal
+  to ``total_bytes`` when nothing replays or every microbatch is replayed);
 - the **measured peak** ``peak_bytes`` of one real training step on the device
   (``lowmem.profiler.peak``), which also holds temporaries, gradient scratch and everything else.
 
@@ -58,6 +64,7 @@ class Microbatch:
     run: Callable[..., object]
     count: int = 1
     inputs: Any = None
+    replayed: bool = False  # captured and replayed (CUDA graphs): its activations stay in the graphs' pool
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,8 @@ class MemoryReport:
     activation_saved_bytes: int  # the most saved-for-backward bytes alive at once (no gradients)
     peak_source: str = ""  # "cuda allocator" or "cpu tensor tracker"
     optimizer_state_bytes: int = 0  # the optimizer state alone (part of optimizer_bytes): codes + scales when quantized
+    graph_pool_bytes: int = 0  # accounted: replayed microbatches' activations, held in the CUDA graphs' pool (0: none)
+    total_with_graph_pool_bytes: int = 0  # model + optimizer + graph pool + eager microbatches' activations
     seconds: dict[str, float] = field(default_factory=dict)  # time spent per measurement
 
     def to_json(self) -> dict:
@@ -104,12 +113,20 @@ class MemoryReport:
             f"starts: {mb(self.activation_stored_before_backward).strip()}; held by this run's autograd at most: "
             f"{mb(self.activation_held_bytes).strip()})",
             f"  total        {mb(self.total_bytes)}",
+            *([self._replay_line()] if self.graph_pool_bytes else []),
             f"measured peak ({self.peak_source or 'not measured'})",
             f"  peak         {mb(self.peak_bytes)}   at {self.peak_location or 'n/a'}",
             *(f"    {name:<18}{mb(value)}" for name, value in self.peak_breakdown.items() if value),
             f"flops          {self.flops / 1e9:10.3f} GFLOP  (minibatch: forward + backward + recompute)",
         ]
         return "\n".join(lines)
+
+    def _replay_line(self) -> str:
+        eager = self.total_with_graph_pool_bytes - self.model_bytes - self.optimizer_bytes - self.graph_pool_bytes
+        return (
+            f"  with CUDA graph replay {self.total_with_graph_pool_bytes / MB:.3f} MB: graph pool "
+            f"{self.graph_pool_bytes / MB:.3f} MB held for the run + eager microbatches {eager / MB:.3f} MB on top"
+        )
 
 
 def profile_step(
@@ -141,6 +158,10 @@ def profile_step(
     state = account_state(model, optimizer, sparse)
     traces = [(account_activations(m.run, model, fake=fake, inputs=m.inputs), m.count) for m in microbatches]
     activations = max((trace for trace, _ in traces), key=lambda trace: trace.activation_bytes)
+    pool, eager = replayed_activations(
+        [(trace.activation_bytes, m.replayed) for (trace, _), m in zip(traces, microbatches, strict=True)]
+    )
+    held_activations = pool + eager if pool else activations.activation_bytes
     flops = sum(trace.flops * count for trace, count in traces)
     seconds["accounting_and_flops"] = time.perf_counter() - started
     peak = None
@@ -157,6 +178,8 @@ def profile_step(
         optimizer_state_bytes=state.optimizer_state_bytes,
         activation_bytes=activations.activation_bytes,
         total_bytes=state.model_bytes + state.optimizer_bytes + activations.activation_bytes,
+        graph_pool_bytes=pool,
+        total_with_graph_pool_bytes=state.model_bytes + state.optimizer_bytes + held_activations,
         peak_bytes=None if peak is None else peak.peak_bytes,
         peak_breakdown={} if peak is None else peak.breakdown,
         peak_location="" if peak is None else peak.location,
@@ -171,3 +194,12 @@ def profile_step(
         peak_source="" if peak is None else peak.source,
         seconds={k: round(v, 2) for k, v in seconds.items()},
     )
+
+
+def replayed_activations(shapes: Sequence[tuple[int, bool]]) -> tuple[int, int]:
+    """(graph pool, eager) activation bytes of a minibatch's distinct microbatch shapes, each given as
+    (activation bytes, replayed): the pool holds the largest replayed shape's activations for the
+    whole run (the graphs share one pool), and an eager shape's activations come on top of it."""
+    pool = max((size for size, replayed in shapes if replayed), default=0)
+    eager = max((size for size, replayed in shapes if not replayed), default=0)
+    return pool, eager

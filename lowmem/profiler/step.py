@@ -23,9 +23,14 @@ def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> Me
     trainer.model.train()
     # Each microbatch is handed to the accounting as inputs: it runs on fake CPU stand-ins of
     # them, so that a step on any device is accounted alike.
+    # With CUDA graph replay, the shape a step starts with is captured and replayed (its activations
+    # stay in the graphs' pool); the others (a short last microbatch) run eagerly on top of it.
+    replays = bool(getattr(trainer, "replays_microbatches", False))
     microbatches = [
-        Microbatch(functools.partial(_microbatch_backward, trainer, weight), count, inputs=part)
-        for part, weight, count in distinct_microbatches(trainer, batch)
+        Microbatch(
+            functools.partial(_microbatch_backward, trainer, weight), count, inputs=part, replayed=replays and i == 0
+        )
+        for i, (part, weight, count) in enumerate(distinct_microbatches(trainer, batch))
     ]
     sparse = trainer.sparsity.trained_parameters() if trainer.sparsity is not None else None
     step = (lambda: trainer.train_step(batch)) if measure else None
@@ -36,7 +41,8 @@ def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> Me
 
 def distinct_microbatches(trainer: Any, batch: Any) -> list[tuple[Any, float, int]]:
     """``batch``'s microbatches on this rank as (microbatch, loss weight, how many share its shapes),
-    one per distinct shape: microbatches of equal shapes have equal activations and FLOPs."""
+    one per distinct shape, in the order they first occur: microbatches of equal shapes have equal
+    activations and FLOPs."""
     distinct: dict[tuple, list] = {}
     for part, weight in trainer.microbatches(batch):
         distinct.setdefault(_shapes(part), [part, weight, 0])[2] += 1
