@@ -168,31 +168,32 @@ def train(run_dir: Path, overrides: list[str]) -> dict:
     return json.loads(result.read_text())
 
 
-def accuracy_part(out: Path, seeds: list[int], epochs: int, dc_steps: int) -> dict:
+def accuracy_part(out: Path, seeds: list[int], epochs: int, dc_steps: int, widths: tuple[int, ...] = BITS) -> dict:
     milestones = f"optim.milestones=[{epochs // 2},{3 * epochs // 4}]"
     experiments = {
         "WRN-28-2 digits, BF16": (["+recipe=wrn_cifar", "data=digits", "precision=bf16"], "best_test_acc"),
         "WRN-28-2 digits, full combination": (["+recipe=wrn_cifar", "data=digits", *COMBINATION], "best_test_acc"),
         "DynamicConv phrases, BF16, Adam": (["+recipe=dc_iwslt", *SMALL_DC], "bleu"),
     }
-    figures: dict[str, dict[int, list[float]]] = {name: {bits: [] for bits in BITS} for name in experiments}
+    figures: dict[str, dict[int, list[float]]] = {name: {bits: [] for bits in widths} for name in experiments}
     # Seed by seed (each seed a complete comparison), so that an interrupted sweep still compares.
     for seed in seeds:
         for name, (overrides, metric) in experiments.items():
             is_wrn = overrides[0] == "+recipe=wrn_cifar"
             length = [f"trainer.epochs={epochs}", milestones] if is_wrn else [f"trainer.max_steps={dc_steps}"]
             slug = f"{name.split(',')[0].split()[0].lower()}-{'combo' if 'combination' in name else 'plain'}"
-            for bits in BITS:
+            for bits in widths:
                 run_dir = out / f"{slug}-bits{bits}-seed{seed}"
                 result = train(run_dir, [*overrides, *length, f"optim.state_bits={bits}", f"trainer.seed={seed}"])
                 figures[name][bits].append(float(result[metric]))
-    print("\n| run | metric | 16-bit state | 8-bit | 4-bit | seeds |\n|---|---|---|---|---|---|")
+    widths_row = " | ".join(f"{bits}-bit state" for bits in widths)
+    print(f"\n| run | metric | {widths_row} | seeds |\n|---|---|{'---|' * len(widths)}---|")
     for name, rows in figures.items():
         metric = "BLEU" if "DynamicConv" in name else "best test acc %"
         cells = []
-        for bits in BITS:
+        for bits in widths:
             mean = statistics.mean(rows[bits])
-            delta = "" if bits == 16 else f" ({mean - statistics.mean(rows[16]):+.2f})"
+            delta = "" if bits == 16 or 16 not in rows else f" ({mean - statistics.mean(rows[16]):+.2f})"
             cells.append(f"{mean:.2f}{delta} [{', '.join(f'{v:.1f}' for v in rows[bits])}]")
         print(f"| {name} | {metric} | {' | '.join(cells)} | {', '.join(map(str, seeds))} |")
     return figures
@@ -203,6 +204,8 @@ def main() -> None:
     parser.add_argument("--part", choices=("bytes", "blocks", "accuracy", "all"), default="all")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=12, help="WRN-28-2 epochs on digits")
+    parser.add_argument("--bits", type=int, nargs="+", choices=BITS, default=list(BITS),
+                        help="state widths compared (accuracy; runs in parallel processes can split them)")
     parser.add_argument("--dc-steps", type=int, default=400, help="DynamicConv updates on phrases")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_state_bits")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -213,7 +216,7 @@ def main() -> None:
     if args.part in ("blocks", "all"):
         figures["blocks"] = block_sizes_part()
     if args.part in ("accuracy", "all"):
-        figures["accuracy"] = accuracy_part(args.out, args.seeds, args.epochs, args.dc_steps)
+        figures["accuracy"] = accuracy_part(args.out, args.seeds, args.epochs, args.dc_steps, tuple(args.bits))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

@@ -240,12 +240,13 @@ def quantized_paths_agree(device: str, steps: int = 5) -> str:
             for step in range(1, steps + 1):
                 grads = [(torch.randn(n, generator=generator) * 50).to(dtype).to(device) for n in sizes]
                 keys = reference.tensor_keys(3, step, len(sizes)) if dtype != torch.float32 else None
+                state_keys = reference.tensor_keys(4, step, len(sizes))
                 for (sgd, adam), (ws, wa, mom, m, v) in zip(
                     ((quantized.sgd, quantized.adam), (native.sgd_quantized, native.adam_quantized)), runs, strict=True
                 ):
-                    sgd(ws, grads, mom, keys, bits=bits, block_size=128, lr=0.1, momentum=0.9, nesterov=True,
-                        weight_decay=5e-4, grad_scale=64.0)
-                    adam(wa, grads, m, v, [1e-3] * len(sizes), keys, bits=bits, block_size=128, beta1=0.9,
+                    sgd(ws, grads, mom, keys, state_keys, bits=bits, block_size=128, lr=0.1, momentum=0.9,
+                        nesterov=True, weight_decay=5e-4, grad_scale=64.0)
+                    adam(wa, grads, m, v, [1e-3] * len(sizes), keys, state_keys, bits=bits, block_size=128, beta1=0.9,
                          beta2=0.999, eps=1e-8, decay=0.9999, grad_scale=64.0)
             (ws0, wa0, mom0, m0, v0), (ws1, wa1, mom1, m1, v1) = runs
             for a, b in zip([*ws0, *wa0], [*ws1, *wa1], strict=True):

@@ -95,12 +95,14 @@ def _paths_disagree(paths, dtypes, steps: int) -> list[str]:
                         for grad in grads:
                             grad[::7] = 0  # zero gradients: second moments decaying towards zero
                         keys = reference.tensor_keys(5, step, len(sizes)) if stochastic else None
+                        state_keys = reference.tensor_keys(6, step, len(sizes))
                         sizes_of_steps = [reference.adam_step_size(1e-3, 0.9, 0.999, step)] * len(sizes)
                         for (sgd, adam), state in zip(paths, runs, strict=True):
-                            sgd(state["sgd"], grads, state["momentum"], keys, bits=bits, block_size=block_size,
-                                lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4, grad_scale=64.0)
-                            adam(state["adam"], grads, state["m"], state["v"], sizes_of_steps, keys, bits=bits,
-                                 block_size=block_size, beta1=0.9, beta2=0.999, eps=1e-8, decay=0.9999,
+                            sgd(state["sgd"], grads, state["momentum"], keys, state_keys, bits=bits,
+                                block_size=block_size, lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4,
+                                grad_scale=64.0)
+                            adam(state["adam"], grads, state["m"], state["v"], sizes_of_steps, keys, state_keys,
+                                 bits=bits, block_size=block_size, beta1=0.9, beta2=0.999, eps=1e-8, decay=0.9999,
                                  grad_scale=64.0)
                         first = runs[0]
                         for other in runs[1:]:
@@ -113,6 +115,64 @@ def _paths_disagree(paths, dtypes, steps: int) -> list[str]:
                         if bad:
                             return bad
     return bad
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("signed", [True, False])
+def test_stochastic_rounding_picks_a_neighbouring_entry_and_is_unbiased(bits, signed):
+    """Each value takes one of the two map entries around it (an exact entry keeps its code; a
+    positive second moment never becomes 0), and over many keys the mean read-back is the value."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(4096, generator=generator) * torch.logspace(-4, 0, 4096)
+    values = values.abs() if not signed else values
+    values[::97] = 0.0
+    table = torch.tensor(codebooks.code_map(bits, signed))
+    total = torch.zeros_like(values)
+    draws = 400
+    for key in range(draws):
+        state = quantized.zeros(values.numel(), bits, 128, signed, CPU)
+        quantized.write_slice(state, 0, values, bits, 128, signed, key=reference.fmix32(key))
+        read = quantized.read(state, values.numel(), bits, 128, signed)
+        scales = state.scales.repeat_interleave(128)
+        normalised = torch.where(scales > 0, values / scales, 0.0)
+        lower = table[(torch.searchsorted(table, normalised, right=True) - 1).clamp(max=len(table) - 1)]
+        upper = table[torch.searchsorted(table, normalised).clamp(max=len(table) - 1)]
+        if not signed:
+            lower = torch.where(values > 0, lower.clamp(min=table[1]), lower)
+        got = table[quantized._unpack(state.codes, values.numel(), bits).long()]
+        assert ((got == lower) | (got == upper)).all()
+        assert (read[values == 0] == 0).all()
+        total += read
+    mean, scale = total / draws, state.scales.repeat_interleave(128)
+    # The mean of 400 draws: within 4 standard errors of the value (the largest gap is 0.45 of a block's maximum).
+    unbiased = (mean - values).abs() <= 4 * 0.45 / draws**0.5 * scale + 1e-12
+    smallest = table[1] if not signed else 0.0
+    assert unbiased[values.abs() / scale >= smallest].all()
+
+
+def test_stochastic_rounding_lets_a_small_momentum_decay_where_rounding_to_nearest_keeps_it():
+    """A block whose largest momentum is kept up by its gradient, the rest with no gradient: their
+    momentum decays by 0.9 a step. Rounded to the nearest 4-bit entry it stays where it is (the top
+    entries are 29-69% apart); rounded stochastically it decays as FP32 momentum does, on average."""
+    size, steps = 128 * 64, 20
+    exact = torch.full((size,), 0.5)
+    exact[::128] = 1.0  # each block's largest
+    grads = torch.zeros(size)
+    grads[::128] = 0.1  # keeps the largest at 1.0: 0.9 + 0.1
+    rounded = {}
+    for rounding in ("nearest", "stochastic"):
+        state, weight = quantized.quantize(exact, 4, 128, True), torch.zeros(size)
+        for step in range(1, steps + 1):
+            state_keys = reference.tensor_keys(7, step, 1) if rounding == "stochastic" else [None]
+            quantized.sgd([weight], [grads], [state], None, state_keys, bits=4, block_size=128, lr=0.0, momentum=0.9,
+                          nesterov=False, weight_decay=0.0, grad_scale=1.0)  # fmt: skip
+        rounded[rounding] = quantized.read(state, size, 4, 128, True)
+    others = torch.ones(size, dtype=torch.bool)
+    others[::128] = False
+    target = 0.5 * 0.9**steps  # 0.061
+    assert rounded["nearest"][others].mean() > 0.5  # stuck at the entry 0.55
+    assert abs(rounded["stochastic"][others].mean() - target) < 0.01
+    assert (rounded["stochastic"][~others] == 1.0).all()
 
 
 def test_the_c_kernel_and_the_fallback_give_the_same_bits_for_50_updates():

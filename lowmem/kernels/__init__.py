@@ -120,15 +120,16 @@ def _probe(kind: str, device: torch.device, dtype: torch.dtype, bits: int | None
             state = [*m, *v, *(t for pair in scales for t in pair)]
         else:
             m = [quantized.quantize(t.float(), bits, block_size, True) for t in first]
+            state_keys = reference.tensor_keys(2, 1, len(sizes))
             if kind == "sgd_q":
                 call = native.sgd_quantized if fused else quantized.sgd
-                call(w, grads, m, keys, bits=bits, block_size=block_size, lr=0.1, momentum=0.9, nesterov=True,
-                     weight_decay=5e-4, grad_scale=64.0)
+                call(w, grads, m, keys, state_keys, bits=bits, block_size=block_size, lr=0.1, momentum=0.9,
+                     nesterov=True, weight_decay=5e-4, grad_scale=64.0)
                 state = [t for q in m for t in q]
             else:
                 v = [quantized.quantize(t.float(), bits, block_size, False) for t in second]
                 call = native.adam_quantized if fused else quantized.adam
-                call(w, grads, m, v, [1e-3] * len(sizes), keys, bits=bits, block_size=block_size, beta1=0.9,
+                call(w, grads, m, v, [1e-3] * len(sizes), keys, state_keys, bits=bits, block_size=block_size, beta1=0.9,
                      beta2=0.999, eps=1e-8, decay=0.9999, grad_scale=64.0)
                 state = [t for q in (*m, *v) for t in q]
         runs.append([*w, *state])
@@ -266,6 +267,7 @@ def _sgd_q(
     codes: list[torch.Tensor],
     scales: list[torch.Tensor],
     keys: list[int],
+    state_keys: list[int],
     bits: int,
     block_size: int,
     lr: float,
@@ -277,7 +279,7 @@ def _sgd_q(
 ) -> None:
     native = _native(weights[0].device)
     native.sgd_quantized(
-        weights, grads, list(zip(codes, scales, strict=True)), keys if stochastic else None, bits=bits,
+        weights, grads, list(zip(codes, scales, strict=True)), keys if stochastic else None, state_keys, bits=bits,
         block_size=block_size, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
         grad_scale=grad_scale,
     )
@@ -293,6 +295,7 @@ def _adam_q(
     v_scales: list[torch.Tensor],
     step_sizes: list[float],
     keys: list[int],
+    state_keys: list[int],
     bits: int,
     block_size: int,
     beta1: float,
@@ -305,8 +308,8 @@ def _adam_q(
 ) -> None:
     _native(weights[0].device).adam_quantized(
         weights, grads, list(zip(m_codes, m_scales, strict=True)), list(zip(v_codes, v_scales, strict=True)),
-        step_sizes, keys if stochastic else None, bits=bits, block_size=block_size, beta1=beta1, beta2=beta2,
-        eps=eps, decay=decay if decays else None, grad_scale=grad_scale,
+        step_sizes, keys if stochastic else None, state_keys, bits=bits, block_size=block_size, beta1=beta1,
+        beta2=beta2, eps=eps, decay=decay if decays else None, grad_scale=grad_scale,
     )
 
 
@@ -315,6 +318,7 @@ def sgd_quantized(
     grads: Sequence[torch.Tensor],
     momenta: Sequence[quantized.QState],
     keys: Sequence[int] | None,
+    state_keys: Sequence[int],
     *,
     bits: int,
     block_size: int,
@@ -331,11 +335,12 @@ def sgd_quantized(
         or not _all_contiguous(weights, grads)
         or not verified("sgd_q", device, dtype, bits, block_size)
     ):
-        quantized.sgd(weights, grads, momenta, keys, bits=bits, block_size=block_size, lr=lr, momentum=momentum,
-                      nesterov=nesterov, weight_decay=weight_decay, grad_scale=grad_scale)
+        quantized.sgd(weights, grads, momenta, keys, state_keys, bits=bits, block_size=block_size, lr=lr,
+                      momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, grad_scale=grad_scale)
         return
     torch.ops.lowmem.sgd_q_(
-        list(weights), list(grads), [c for c, _ in momenta], [s for _, s in momenta], list(keys or []), bits,
+        list(weights), list(grads), [c for c, _ in momenta], [s for _, s in momenta], list(keys or []),
+        list(state_keys), bits,
         block_size, lr, momentum, nesterov, weight_decay, grad_scale, keys is not None,
     )
 
@@ -347,6 +352,7 @@ def adam_quantized(
     exp_avg_sqs: Sequence[quantized.QState],
     step_sizes: Sequence[float],
     keys: Sequence[int] | None,
+    state_keys: Sequence[int],
     *,
     bits: int,
     block_size: int,
@@ -363,13 +369,13 @@ def adam_quantized(
         or not _all_contiguous(weights, grads)
         or not verified("adam_q", device, dtype, bits, block_size)
     ):
-        quantized.adam(weights, grads, exp_avgs, exp_avg_sqs, step_sizes, keys, bits=bits, block_size=block_size,
-                       beta1=beta1, beta2=beta2, eps=eps, decay=decay, grad_scale=grad_scale)
+        quantized.adam(weights, grads, exp_avgs, exp_avg_sqs, step_sizes, keys, state_keys, bits=bits,
+                       block_size=block_size, beta1=beta1, beta2=beta2, eps=eps, decay=decay, grad_scale=grad_scale)
         return
     torch.ops.lowmem.adam_q_(
         list(weights), list(grads), [c for c, _ in exp_avgs], [s for _, s in exp_avgs], [c for c, _ in exp_avg_sqs],
-        [s for _, s in exp_avg_sqs], list(step_sizes), list(keys or []), bits, block_size, beta1, beta2, eps,
-        1.0 if decay is None else decay, decay is not None, grad_scale, keys is not None,
+        [s for _, s in exp_avg_sqs], list(step_sizes), list(keys or []), list(state_keys), bits, block_size, beta1,
+        beta2, eps, 1.0 if decay is None else decay, decay is not None, grad_scale, keys is not None,
     )
 
 

@@ -62,10 +62,10 @@ _SIGNATURES = {
 }
 _ptr = ctypes.c_void_p
 _SIGNATURES |= {
-    "lowmem_sgd_q": [_i64, _P64, _P64, _P64, _P64, _P64, _PU32, _i32, _i32, _i64, _ptr, _ptr, _f32, _f32, _i32,
-                     _f32, _f32, _i32],
-    "lowmem_adam_q": [_i64, _P64, _P64, _P64, _P64, _P64, _P64, _P64, _PF32, _PU32, _i32, _i32, _i64, _ptr, _ptr,
-                      _ptr, _ptr, _f32, _f32, _f32, _f32, _f32, _i32, _f32, _f32, _i32],
+    "lowmem_sgd_q": [_i64, _P64, _P64, _P64, _P64, _P64, _PU32, _PU32, _i32, _i32, _i64, _ptr, _ptr, _f32, _f32,
+                     _i32, _f32, _f32, _i32],
+    "lowmem_adam_q": [_i64, _P64, _P64, _P64, _P64, _P64, _P64, _P64, _PF32, _PU32, _PU32, _i32, _i32, _i64, _ptr,
+                      _ptr, _ptr, _ptr, _f32, _f32, _f32, _f32, _f32, _i32, _f32, _f32, _i32],
 }
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
@@ -296,6 +296,7 @@ def sgd_quantized(
     grads: Sequence[torch.Tensor],
     momenta: Sequence[tuple[torch.Tensor, torch.Tensor]],
     keys: Sequence[int] | None,
+    state_keys: Sequence[int],
     *,
     bits: int,
     block_size: int,
@@ -317,6 +318,7 @@ def sgd_quantized(
             _addresses([momenta[i][0] for i in shard]), _addresses([momenta[i][1] for i in shard]),
             (ctypes.c_int64 * n)(*(sizes[i] for i in shard)),
             (ctypes.c_uint32 * n)(*(keys[i] if keys else 0 for i in shard)),
+            (ctypes.c_uint32 * n)(*(state_keys[i] for i in shard)),
             code, bits, block_size, table.data_ptr(), mids.data_ptr(), lr, momentum, int(nesterov), weight_decay,
             grad_scale, int(keys is not None),
         )
@@ -331,6 +333,7 @@ def adam_quantized(
     exp_avg_sqs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     step_sizes: Sequence[float],
     keys: Sequence[int] | None,
+    state_keys: Sequence[int],
     *,
     bits: int,
     block_size: int,
@@ -355,6 +358,7 @@ def adam_quantized(
             (ctypes.c_int64 * n)(*(sizes[i] for i in shard)),
             (ctypes.c_float * n)(*(step_sizes[i] for i in shard)),
             (ctypes.c_uint32 * n)(*(keys[i] if keys else 0 for i in shard)),
+            (ctypes.c_uint32 * n)(*(state_keys[i] for i in shard)),
             code, bits, block_size, m_table.data_ptr(), m_mids.data_ptr(), v_table.data_ptr(), v_mids.data_ptr(),
             beta1, beta2, 1 - beta1, 1 - beta2, eps, int(decay is not None), 1.0 if decay is None else decay,
             grad_scale, int(keys is not None),

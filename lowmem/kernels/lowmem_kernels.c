@@ -149,10 +149,12 @@ void lowmem_adam(int64_t count, const int64_t *weights, const int64_t *grads, co
 /* ---------------------------------------------------------------------------------------------
  * 8- and 4-bit optimizer state (lowmem/kernels/quantized.py defines the arithmetic; codebooks.py
  * the maps). State is blockwise quantized: per block of `block` values one FP32 scale (the block's
- * largest magnitude) and per value the code of the nearest map entry of value / scale. Weights and
- * gradients are FP32, FP16 or BF16. A block's new state is computed in FP32 into a stack buffer,
- * the weights updated from it, then the block is quantized: no allocation.
+ * largest magnitude) and per value the code of one of the two map entries around value / scale,
+ * chosen stochastically (unbiased; counter-based random bits from the tensor's state key). Weights
+ * and gradients are FP32, FP16 or BF16. A block's new state is computed in FP32 into a stack
+ * buffer, the weights updated from it, then the block is quantized: no allocation.
  */
+#define SECOND_MOMENT_SALT 0x5851f42du /* quantized.SECOND_MOMENT_SALT: the second moment's key */
 #define MAX_BLOCK 4096
 
 static inline float load_any(const void *p, int64_t i, int dtype) {
@@ -176,16 +178,27 @@ static inline int find_code(float x, const float *mids, int bits) {
     return code;
 }
 
+/* The code of normalised x rounded stochastically between the map entries around it: up from the
+ * lower one with probability (x - lower) / (upper - lower); r24 uniform in [0, 2^24). */
+static inline int round_code(float x, const float *table, const float *mids, int bits, uint32_t r24) {
+    int code = find_code(x, mids, bits); /* the nearest entry */
+    int lower = x < table[code] ? code - 1 : code;
+    if (lower == (1 << bits) - 1) return lower;
+    float gap = table[lower + 1] - table[lower];
+    return lower + (((float)r24 * 0x1p-24f) * gap < x - table[lower] ? 1 : 0);
+}
+
 /* Quantize x[0 .. count) (values first .. first+count-1 of the state; first a multiple of the block
- * size, so even) into codes and *scale. Unsigned maps: a positive value never takes code 0. */
+ * size, so even) into codes and *scale, rounding with the random bits of `key`. Unsigned maps: a
+ * positive value never takes code 0. */
 static void quantize_block(const float *x, int64_t count, int64_t first, uint8_t *codes, float *scale,
-                           const float *mids, int bits, int is_signed) {
+                           const float *table, const float *mids, int bits, int is_signed, uint32_t key) {
     float top = 0.0f;
     for (int64_t i = 0; i < count; i++) top = fmaxf(top, fabsf(x[i]));
     *scale = top;
     int previous = 0;
     for (int64_t i = 0; i < count; i++) {
-        int code = find_code(top > 0.0f ? x[i] / top : 0.0f, mids, bits);
+        int code = round_code(top > 0.0f ? x[i] / top : 0.0f, table, mids, bits, random24(key, (uint32_t)(first + i)));
         if (!is_signed && code == 0 && x[i] > 0.0f) code = 1;
         if (bits == 8) codes[first + i] = (uint8_t)code;
         else if (i & 1) codes[(first + i) >> 1] = (uint8_t)(previous | (code << 4));
@@ -195,7 +208,8 @@ static void quantize_block(const float *x, int64_t count, int64_t first, uint8_t
 }
 
 void lowmem_sgd_q(int64_t count, const int64_t *weights, const int64_t *grads, const int64_t *codes,
-                  const int64_t *scales, const int64_t *sizes, const uint32_t *keys, int dtype, int bits,
+                  const int64_t *scales, const int64_t *sizes, const uint32_t *keys, const uint32_t *state_keys,
+                  int dtype, int bits,
                   int64_t block, const float *table, const float *mids, float lr, float momentum, int nesterov,
                   float weight_decay, float grad_scale, int stochastic) {
     float buffer[MAX_BLOCK];
@@ -217,14 +231,15 @@ void lowmem_sgd_q(int64_t count, const int64_t *weights, const int64_t *grads, c
                 buffer[i] = b;
                 store_any(w, e, weight + update * -lr, stochastic, keys[t], dtype);
             }
-            quantize_block(buffer, length, first, c, s + first / block, mids, bits, 1);
+            quantize_block(buffer, length, first, c, s + first / block, table, mids, bits, 1, state_keys[t]);
         }
     }
 }
 
 void lowmem_adam_q(int64_t count, const int64_t *weights, const int64_t *grads, const int64_t *m_codes,
                    const int64_t *m_scales, const int64_t *v_codes, const int64_t *v_scales, const int64_t *sizes,
-                   const float *step_sizes, const uint32_t *keys, int dtype, int bits, int64_t block,
+                   const float *step_sizes, const uint32_t *keys, const uint32_t *state_keys, int dtype, int bits,
+                   int64_t block,
                    const float *m_table, const float *m_mids, const float *v_table, const float *v_mids,
                    float beta1, float beta2, float one_minus_beta1, float one_minus_beta2, float eps, int decays,
                    float decay, float grad_scale, int stochastic) {
@@ -250,8 +265,9 @@ void lowmem_adam_q(int64_t count, const int64_t *weights, const int64_t *grads, 
                 v_buffer[i] = avg_sq;
                 store_any(w, e, weight, stochastic, keys[t], dtype);
             }
-            quantize_block(m_buffer, length, first, mc, ms + first / block, m_mids, bits, 1);
-            quantize_block(v_buffer, length, first, vc, vs + first / block, v_mids, bits, 0);
+            quantize_block(m_buffer, length, first, mc, ms + first / block, m_table, m_mids, bits, 1, state_keys[t]);
+            quantize_block(v_buffer, length, first, vc, vs + first / block, v_table, v_mids, bits, 0,
+                           state_keys[t] ^ SECOND_MOMENT_SALT);
         }
     }
 }

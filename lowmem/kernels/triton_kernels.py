@@ -338,15 +338,28 @@ def _find_code(x, mids, BITS: tl.constexpr):
 
 
 @triton.jit
-def _quantize(x_even, x_odd, mask_even, mask_odd, even, codes, scales, block_index, block_mask, mids,
+def _round_code(x, offsets, table, mids, key, BITS: tl.constexpr):
+    """The code of normalised x rounded stochastically between the entries around it, as the C kernel's."""
+    code = _find_code(x, mids, BITS)
+    lower = tl.where(x < tl.load(table + code), code - 1, code)
+    last: tl.constexpr = (1 << BITS) - 1
+    below = tl.load(table + lower)
+    gap = tl.load(table + tl.minimum(lower + 1, last)) - below
+    r = _random24(key, offsets).to(tl.float32) * 5.9604644775390625e-08
+    up = (lower < last) & (r * gap < x - below)
+    return tl.where(up, lower + 1, lower)
+
+
+@triton.jit
+def _quantize(x_even, x_odd, mask_even, mask_odd, even, codes, scales, block_index, block_mask, table, mids, key,
               SIGNED: tl.constexpr, BITS: tl.constexpr):
     top = tl.max(tl.maximum(tl.where(mask_even, tl.abs(x_even), 0.0), tl.where(mask_odd, tl.abs(x_odd), 0.0)),
                  axis=1)
     tl.store(scales + block_index, top, mask=block_mask)
     top = top[:, None]
     safe = tl.where(top > 0.0, top, 1.0)
-    code_even = _find_code(tl.where(top > 0.0, tl.div_rn(x_even, safe), 0.0), mids, BITS)
-    code_odd = _find_code(tl.where(top > 0.0, tl.div_rn(x_odd, safe), 0.0), mids, BITS)
+    code_even = _round_code(tl.where(top > 0.0, tl.div_rn(x_even, safe), 0.0), even, table, mids, key, BITS)
+    code_odd = _round_code(tl.where(top > 0.0, tl.div_rn(x_odd, safe), 0.0), even + 1, table, mids, key, BITS)
     if not SIGNED:  # an unsigned map's zero is an exact zero's code only
         code_even = tl.where((x_even > 0.0) & (code_even == 0), 1, code_even)
         code_odd = tl.where((x_odd > 0.0) & (code_odd == 0), 1, code_odd)
@@ -385,6 +398,7 @@ def _sgd_q_kernel(table, chunk_tensor, chunk_start, count, m_map, m_mids, lr, mo
     t = tl.load(chunk_tensor + chunk)
     start = tl.load(chunk_start + chunk)
     size = tl.load(table + 5 * count + t)
+    state_key = tl.load(table + 6 * count + t).to(tl.uint32)
     rows = tl.arange(0, ROWS)
     even = start + rows[:, None] * QB + 2 * tl.arange(0, QB // 2)[None, :]
     mask_even, mask_odd = even < size, even + 1 < size
@@ -398,7 +412,8 @@ def _sgd_q_kernel(table, chunk_tensor, chunk_start, count, m_map, m_mids, lr, mo
     b_odd = _sgd_q_lane(table, count, t, even + 1, mask_odd, scale, m_map, lr, momentum, weight_decay, grad_scale,
                         key, NESTEROV, DECAY, STOCHASTIC, WEIGHTS, BITS)
     codes = tl.load(table + 2 * count + t).to(tl.pointer_type(tl.uint8))
-    _quantize(b_even, b_odd, mask_even, mask_odd, even, codes, scales, block_index, block_mask, m_mids, True, BITS)
+    _quantize(b_even, b_odd, mask_even, mask_odd, even, codes, scales, block_index, block_mask, m_map, m_mids,
+              state_key, True, BITS)
 
 
 @triton.jit
@@ -429,6 +444,7 @@ def _adam_q_kernel(table, chunk_tensor, chunk_start, count, step_sizes, m_map, m
     t = tl.load(chunk_tensor + chunk)
     start = tl.load(chunk_start + chunk)
     size = tl.load(table + 6 * count + t)
+    state_key = tl.load(table + 8 * count + t).to(tl.uint32)
     rows = tl.arange(0, ROWS)
     even = start + rows[:, None] * QB + 2 * tl.arange(0, QB // 2)[None, :]
     mask_even, mask_odd = even < size, even + 1 < size
@@ -448,10 +464,10 @@ def _adam_q_kernel(table, chunk_tensor, chunk_start, count, step_sizes, m_map, m
                                 STOCHASTIC, WEIGHTS, BITS)
     m_codes = tl.load(table + 2 * count + t).to(tl.pointer_type(tl.uint8))
     v_codes = tl.load(table + 4 * count + t).to(tl.pointer_type(tl.uint8))
-    _quantize(m_even, m_odd, mask_even, mask_odd, even, m_codes, m_scales, block_index, block_mask, m_mids, True,
-              BITS)
-    _quantize(v_even, v_odd, mask_even, mask_odd, even, v_codes, v_scales, block_index, block_mask, v_mids, False,
-              BITS)
+    _quantize(m_even, m_odd, mask_even, mask_odd, even, m_codes, m_scales, block_index, block_mask, m_map, m_mids,
+              state_key, True, BITS)
+    _quantize(v_even, v_odd, mask_even, mask_odd, even, v_codes, v_scales, block_index, block_mask, v_map, v_mids,
+              state_key ^ 0x5851F42D, False, BITS)  # quantized.SECOND_MOMENT_SALT
 
 
 def _quantized_launch(block_size: int) -> tuple[int, int]:
@@ -465,6 +481,7 @@ def sgd_quantized(
     grads: Sequence[torch.Tensor],
     momenta: Sequence[tuple[torch.Tensor, torch.Tensor]],
     keys: Sequence[int] | None,
+    state_keys: Sequence[int],
     *,
     bits: int,
     block_size: int,
@@ -482,7 +499,7 @@ def sgd_quantized(
     table = _table(
         slot,
         [[w.data_ptr() for w in weights], [g.data_ptr() for g in grads], [c.data_ptr() for c, _ in momenta],
-         [s.data_ptr() for _, s in momenta], list(keys) if keys else [0] * count, sizes],
+         [s.data_ptr() for _, s in momenta], list(keys) if keys else [0] * count, sizes, list(state_keys)],
         device,
     )  # fmt: skip
     rows, chunk = _quantized_launch(block_size)
@@ -502,6 +519,7 @@ def adam_quantized(
     exp_avg_sqs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     step_sizes: Sequence[float],
     keys: Sequence[int] | None,
+    state_keys: Sequence[int],
     *,
     bits: int,
     block_size: int,
@@ -520,7 +538,7 @@ def adam_quantized(
         slot,
         [[w.data_ptr() for w in weights], [g.data_ptr() for g in grads], [c.data_ptr() for c, _ in exp_avgs],
          [s.data_ptr() for _, s in exp_avgs], [c.data_ptr() for c, _ in exp_avg_sqs],
-         [s.data_ptr() for _, s in exp_avg_sqs], sizes, list(keys) if keys else [0] * count],
+         [s.data_ptr() for _, s in exp_avg_sqs], sizes, list(keys) if keys else [0] * count, list(state_keys)],
         device,
     )  # fmt: skip
     rows, chunk = _quantized_launch(block_size)

@@ -44,6 +44,8 @@ from lowmem.kernels import quantized
 from lowmem.kernels.quantized import QState
 from lowmem.kernels.reference import SLICE, adam_step_size, tensor_keys
 
+STATE_SEED_SALT = 0x2545F491  # quantized state's rounding keys: tensor_keys(seed ^ this, step, ...)
+
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 _QUANTIZABLE = (torch.float32, *_SIXTEEN_BIT)
 # The keys a state dict holds in their own dtype (torch's Optimizer.load_state_dict would cast every
@@ -182,6 +184,12 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
         keys = tensor_keys(self.seed, self.rounding_step, len(self._index))
         return [keys[self._index[p]] for p in params]
 
+    def _state_keys(self, params: list[torch.Tensor]) -> list[int]:
+        """Quantized state's per-tensor rounding keys for this step (``quantized.py``): the weights'
+        stream of another seed, so the state's random bits are not the weights'."""
+        keys = tensor_keys(self.seed ^ STATE_SEED_SALT, self.rounding_step, len(self._index))
+        return [keys[self._index[p]] for p in params]
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["rounding_step"] = self.rounding_step
@@ -266,7 +274,8 @@ class LowPrecisionSGD(_LowPrecisionOptimizer):
                 if self.state_bits is not None and momentum != 0:
                     kernels.sgd_quantized(
                         params, grads, [self._qstate(p, "momentum") for p in params],
-                        self._keys(params) if dtype in _SIXTEEN_BIT else None, bits=self.state_bits,
+                        self._keys(params) if dtype in _SIXTEEN_BIT else None, self._state_keys(params),
+                        bits=self.state_bits,
                         block_size=self.block_size, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=decay,
                         grad_scale=grad_scale,
                     )
@@ -355,7 +364,8 @@ class LowPrecisionAdam(_LowPrecisionOptimizer):
                     kernels.adam_quantized(
                         params, grads, [self._qstate(p, "exp_avg") for p in params],
                         [self._qstate(p, "exp_avg_sq") for p in params], step_sizes,
-                        self._keys(params) if dtype in _SIXTEEN_BIT else None, bits=self.state_bits,
+                        self._keys(params) if dtype in _SIXTEEN_BIT else None, self._state_keys(params),
+                        bits=self.state_bits,
                         block_size=self.block_size, beta1=beta1, beta2=beta2, eps=eps, decay=decay,
                         grad_scale=grad_scale,
                     )
