@@ -391,14 +391,15 @@ def _sgd_q_lane(table, count, t, offsets, mask, scale, m_map, lr, momentum, weig
 
 
 @triton.jit
-def _sgd_q_kernel(table, chunk_tensor, chunk_start, count, m_map, m_mids, lr, momentum, weight_decay, grad_scale,
+def _sgd_q_kernel(table, chunk_tensor, chunk_start, count, state_keys, m_map, m_mids, lr, momentum, weight_decay,
+                  grad_scale,
                   NESTEROV: tl.constexpr, DECAY: tl.constexpr, STOCHASTIC: tl.constexpr, WEIGHTS: tl.constexpr,
                   BITS: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr):
     chunk = tl.program_id(0)
     t = tl.load(chunk_tensor + chunk)
     start = tl.load(chunk_start + chunk)
     size = tl.load(table + 5 * count + t)
-    state_key = tl.load(table + 6 * count + t).to(tl.uint32)
+    state_key = tl.load(state_keys + t).to(tl.uint32)
     rows = tl.arange(0, ROWS)
     even = start + rows[:, None] * QB + 2 * tl.arange(0, QB // 2)[None, :]
     mask_even, mask_odd = even < size, even + 1 < size
@@ -436,15 +437,15 @@ def _adam_q_lane(table, count, t, offsets, mask, m_scale, v_scale, m_map, v_map,
 
 
 @triton.jit
-def _adam_q_kernel(table, chunk_tensor, chunk_start, count, step_sizes, m_map, m_mids, v_map, v_mids, beta1, beta2,
-                   one_minus_beta1, one_minus_beta2, eps, decay, grad_scale, DECAY: tl.constexpr,
+def _adam_q_kernel(table, chunk_tensor, chunk_start, count, step_sizes, state_keys, m_map, m_mids, v_map, v_mids,
+                   beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, grad_scale, DECAY: tl.constexpr,
                    STOCHASTIC: tl.constexpr, WEIGHTS: tl.constexpr, BITS: tl.constexpr, QB: tl.constexpr,
                    ROWS: tl.constexpr):
     chunk = tl.program_id(0)
     t = tl.load(chunk_tensor + chunk)
     start = tl.load(chunk_start + chunk)
     size = tl.load(table + 6 * count + t)
-    state_key = tl.load(table + 8 * count + t).to(tl.uint32)
+    state_key = tl.load(state_keys + t).to(tl.uint32)
     rows = tl.arange(0, ROWS)
     even = start + rows[:, None] * QB + 2 * tl.arange(0, QB // 2)[None, :]
     mask_even, mask_odd = even < size, even + 1 < size
@@ -468,6 +469,12 @@ def _adam_q_kernel(table, chunk_tensor, chunk_start, count, step_sizes, m_map, m
               state_key, True, BITS)
     _quantize(v_even, v_odd, mask_even, mask_odd, even, v_codes, v_scales, block_index, block_mask, v_map, v_mids,
               state_key ^ 0x5851F42D, False, BITS)  # quantized.SECOND_MOMENT_SALT
+
+
+def _per_step(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-tensor numbers that change every update (step sizes, the state's rounding keys): copied to
+    the device on their own, so that the cached address tables stay unchanged."""
+    return torch.tensor(values, dtype=dtype).to(device)
 
 
 def _quantized_launch(block_size: int) -> tuple[int, int]:
@@ -499,14 +506,15 @@ def sgd_quantized(
     table = _table(
         slot,
         [[w.data_ptr() for w in weights], [g.data_ptr() for g in grads], [c.data_ptr() for c, _ in momenta],
-         [s.data_ptr() for _, s in momenta], list(keys) if keys else [0] * count, sizes, list(state_keys)],
+         [s.data_ptr() for _, s in momenta], list(keys) if keys else [0] * count, sizes],
         device,
     )  # fmt: skip
     rows, chunk = _quantized_launch(block_size)
     chunk_tensor, chunk_start = _chunks(slot, sizes, device, chunk)
     m_map, m_mids = codebooks.tables(bits, True, device)
     _sgd_q_kernel[(len(chunk_tensor),)](
-        table, chunk_tensor, chunk_start, count, m_map, m_mids, lr, momentum, weight_decay, grad_scale,
+        table, chunk_tensor, chunk_start, count, _per_step(state_keys, torch.int64, device), m_map, m_mids, lr,
+        momentum, weight_decay, grad_scale,
         NESTEROV=nesterov, DECAY=weight_decay != 0, STOCHASTIC=keys is not None, WEIGHTS=_WEIGHT_CODES[dtype],
         BITS=bits, QB=block_size, ROWS=rows, **_LAUNCH,
     )
@@ -538,7 +546,7 @@ def adam_quantized(
         slot,
         [[w.data_ptr() for w in weights], [g.data_ptr() for g in grads], [c.data_ptr() for c, _ in exp_avgs],
          [s.data_ptr() for _, s in exp_avgs], [c.data_ptr() for c, _ in exp_avg_sqs],
-         [s.data_ptr() for _, s in exp_avg_sqs], sizes, list(keys) if keys else [0] * count, list(state_keys)],
+         [s.data_ptr() for _, s in exp_avg_sqs], sizes, list(keys) if keys else [0] * count],
         device,
     )  # fmt: skip
     rows, chunk = _quantized_launch(block_size)
@@ -546,8 +554,9 @@ def adam_quantized(
     m_map, m_mids = codebooks.tables(bits, True, device)
     v_map, v_mids = codebooks.tables(bits, False, device)
     _adam_q_kernel[(len(chunk_tensor),)](
-        table, chunk_tensor, chunk_start, count, torch.tensor(step_sizes, dtype=torch.float32).to(device), m_map,
-        m_mids, v_map, v_mids, beta1, beta2, 1 - beta1, 1 - beta2, eps, 1.0 if decay is None else decay, grad_scale,
+        table, chunk_tensor, chunk_start, count, _per_step(step_sizes, torch.float32, device),
+        _per_step(state_keys, torch.int64, device), m_map, m_mids, v_map, v_mids, beta1, beta2, 1 - beta1, 1 - beta2,
+        eps, 1.0 if decay is None else decay, grad_scale,
         DECAY=decay is not None, STOCHASTIC=keys is not None, WEIGHTS=_WEIGHT_CODES[dtype], BITS=bits,
         QB=block_size, ROWS=rows, **_LAUNCH,
     )
