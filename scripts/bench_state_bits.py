@@ -41,9 +41,11 @@ DC = ["+recipe=dc_iwslt", "data=fake", "precision=fp16", "sparsity.density=0.5"]
 WRN = ["+recipe=wrn_cifar", "data=fake", "precision=bf16", "sparsity.density=0.3"]
 COMBINATION = ["sparsity.density=0.3", "precision=bf16", "microbatch.size=10",
                "checkpointing.strategy=residual_star", "checkpointing.every=2"]  # fmt: skip
+# lr 2e-3: at 1e-3 the 400 updates leave the 16-bit model far from trained (74-78 BLEU against ~97), and
+# a comparison there measures which state takes larger steps (README: 8- and 4-bit optimizer state).
 SMALL_DC = ["model.encoder_layers=3", "model.decoder_layers=3", "model.embed_dim=128", "model.ffn_dim=256",
             "model.heads=4", "model.dropout=0.1", "data=phrases", "data.batch_size=2000", "optim.warmup_updates=100",
-            "optim.lr=1e-3", "microbatch.size=500", "checkpointing.strategy=residual", "precision=bf16"]  # fmt: skip
+            "optim.lr=2e-3", "microbatch.size=500", "checkpointing.strategy=residual", "precision=bf16"]  # fmt: skip
 
 
 def state_bytes(overrides: list[str]) -> dict[int, dict[str, float]]:
