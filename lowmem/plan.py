@@ -153,6 +153,12 @@ def plan_search(
     }
 
 
+def _held_activations(row: dict[str, Any]) -> int:
+    """A profiled row's activations as the search accounts them: with CUDA graph replay, the graphs'
+    pool plus the eager microbatches on top of it (else the report's activations)."""
+    return row["total_with_graph_pool_bytes"] - row["model_bytes"] - row["optimizer_bytes"]
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
@@ -176,8 +182,3 @@ sys.modules[__name__].__class__ = _PlanModule
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def _held_activations(row: dict[str, Any]) -> int:
-    """A profiled row's activations as the search accounts them: with CUDA graph replay, the graphs'
-    pool plus the eager microbatches on top of it (else the report's activations)."""
-    return row["total_with_graph_pool_bytes"] - row["model_bytes"] - row["optimizer_bytes"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import random
 import subprocess
 import sys
@@ -319,6 +320,17 @@ def test_plan_command_prints_overrides_that_fit(wrn_plan, capsys):
     assert all(o.split("=")[0] != "precision" for o in row["overrides"])  # fixed on the command line
     again = profile_config(make_config(*TINY_WRN, "precision=fp32", *row["overrides"]), measure=False)
     assert again["total_bytes"] == row["total_bytes"] <= budget
+
+
+def test_the_command_writes_its_plan(tmp_path):
+    """``python -m lowmem.plan`` as a user runs it: exit 0, the chosen row printed and in plan.json."""
+    command = [sys.executable, "-m", "lowmem.plan", *TINY_WRN, "precision=fp32", "plan.budget_mb=1000",
+               "plan.top=2", f"hydra.run.dir={tmp_path}"]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-2000:]
+    row = json.loads((tmp_path / "plan.json").read_text())
+    assert row["total_with_graph_pool_bytes"] == row["total_bytes"] <= 1000 * MB  # nothing replays on a CPU
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == row
 
 
 def test_nothing_fits_names_the_smallest_and_exits_non_zero():
