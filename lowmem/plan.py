@@ -181,4 +181,3 @@ sys.modules[__name__].__class__ = _PlanModule
 
 if __name__ == "__main__":
     sys.exit(main())
-

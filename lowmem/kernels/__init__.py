@@ -340,8 +340,7 @@ def sgd_quantized(
         return
     torch.ops.lowmem.sgd_q_(
         list(weights), list(grads), [c for c, _ in momenta], [s for _, s in momenta], list(keys or []),
-        list(state_keys), bits,
-        block_size, lr, momentum, nesterov, weight_decay, grad_scale, keys is not None,
+        list(state_keys), bits, block_size, lr, momentum, nesterov, weight_decay, grad_scale, keys is not None,
     )
 
 

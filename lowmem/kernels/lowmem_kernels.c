@@ -209,9 +209,8 @@ static void quantize_block(const float *x, int64_t count, int64_t first, uint8_t
 
 void lowmem_sgd_q(int64_t count, const int64_t *weights, const int64_t *grads, const int64_t *codes,
                   const int64_t *scales, const int64_t *sizes, const uint32_t *keys, const uint32_t *state_keys,
-                  int dtype, int bits,
-                  int64_t block, const float *table, const float *mids, float lr, float momentum, int nesterov,
-                  float weight_decay, float grad_scale, int stochastic) {
+                  int dtype, int bits, int64_t block, const float *table, const float *mids, float lr,
+                  float momentum, int nesterov, float weight_decay, float grad_scale, int stochastic) {
     float buffer[MAX_BLOCK];
     for (int64_t t = 0; t < count; t++) {
         void *w = (void *)weights[t];
@@ -239,8 +238,7 @@ void lowmem_sgd_q(int64_t count, const int64_t *weights, const int64_t *grads, c
 void lowmem_adam_q(int64_t count, const int64_t *weights, const int64_t *grads, const int64_t *m_codes,
                    const int64_t *m_scales, const int64_t *v_codes, const int64_t *v_scales, const int64_t *sizes,
                    const float *step_sizes, const uint32_t *keys, const uint32_t *state_keys, int dtype, int bits,
-                   int64_t block,
-                   const float *m_table, const float *m_mids, const float *v_table, const float *v_mids,
+                   int64_t block, const float *m_table, const float *m_mids, const float *v_table, const float *v_mids,
                    float beta1, float beta2, float one_minus_beta1, float one_minus_beta2, float eps, int decays,
                    float decay, float grad_scale, int stochastic) {
     float m_buffer[MAX_BLOCK], v_buffer[MAX_BLOCK];

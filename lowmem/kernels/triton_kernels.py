@@ -392,9 +392,8 @@ def _sgd_q_lane(table, count, t, offsets, mask, scale, m_map, lr, momentum, weig
 
 @triton.jit
 def _sgd_q_kernel(table, chunk_tensor, chunk_start, count, state_keys, m_map, m_mids, lr, momentum, weight_decay,
-                  grad_scale,
-                  NESTEROV: tl.constexpr, DECAY: tl.constexpr, STOCHASTIC: tl.constexpr, WEIGHTS: tl.constexpr,
-                  BITS: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr):
+                  grad_scale, NESTEROV: tl.constexpr, DECAY: tl.constexpr, STOCHASTIC: tl.constexpr,
+                  WEIGHTS: tl.constexpr, BITS: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr):
     chunk = tl.program_id(0)
     t = tl.load(chunk_tensor + chunk)
     start = tl.load(chunk_start + chunk)

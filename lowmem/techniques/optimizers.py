@@ -181,13 +181,15 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
         """Stochastic rounding's per-tensor keys for this step, or None (round to nearest)."""
         if not self.stochastic_rounding:
             return None
-        keys = tensor_keys(self.seed, self.rounding_step, len(self._index))
-        return [keys[self._index[p]] for p in params]
+        return self._step_keys(params, self.seed)
 
     def _state_keys(self, params: list[torch.Tensor]) -> list[int]:
         """Quantized state's per-tensor rounding keys for this step (``quantized.py``): the weights'
         stream of another seed, so the state's random bits are not the weights'."""
-        keys = tensor_keys(self.seed ^ STATE_SEED_SALT, self.rounding_step, len(self._index))
+        return self._step_keys(params, self.seed ^ STATE_SEED_SALT)
+
+    def _step_keys(self, params: list[torch.Tensor], seed: int) -> list[int]:
+        keys = tensor_keys(seed, self.rounding_step, len(self._index))
         return [keys[self._index[p]] for p in params]
 
     def state_dict(self) -> dict[str, Any]:
