@@ -60,11 +60,13 @@ def test_a_round_trip_is_the_nearest_map_entry_times_the_block_maximum(bits, sig
     expected = brute_force(values, bits, block_size, signed)
     # Equal except where a value lies within rounding of a midpoint (none in practice).
     assert (back != expected).float().mean() < 1e-4
-    # Within the format's step: half the widest gap between neighbouring entries, times the scale.
+    # Within the format's step: half the widest gap between neighbouring entries, times the scale; in
+    # an unsigned map a positive value below the first positive entry reads back as that entry.
     table = torch.tensor(codebooks.code_map(bits, signed))
-    half_gap = (table[1:] - table[:-1]).max() / 2
+    half_gap = (table[1:] - table[:-1]).max() / 2 if signed else (table[2:] - table[1:-1]).max() / 2
+    step = half_gap if signed else torch.maximum(half_gap, table[1])
     scales = state.scales.repeat_interleave(block_size)[: values.numel()]
-    assert ((back - values).abs() <= half_gap * scales + 1e-12).all()
+    assert ((back - values).abs() <= step * scales + 1e-12).all()
     assert (back[values == 0] == 0).all()  # exact zeros stay exact
     if not signed:
         assert (back[values > 0] > 0).all()  # the zero-point problem: no positive value reads back as 0
@@ -227,7 +229,8 @@ def test_one_step_stays_close_to_fp32_state(bits):
     quantized_adam.step()
     exact_update, approx_update = exact.detach() - before, approx.detach() - before
     error = (approx_update - exact_update).norm() / exact_update.norm()
-    # Measured: 8 bits 1.2% (state 1.4%, 0.8%); 4 bits 19% (state 22%, 11%).
+    # Measured (rounded stochastically; 4-bit v on the linear map): 8 bits 1.2% (state 1.7%, 1.0%); 4 bits 18%
+    # (state 27%, 8.8%).
     bound = {8: 0.02, 4: 0.3}[bits]
     assert error < bound, error.item()
     for name in ("exp_avg", "exp_avg_sq"):
