@@ -17,7 +17,7 @@ Four parts (``--part bytes|blocks|accuracy|all``):
 
 Runs are kept under ``--out`` (a finished run is not trained again: rerun to resume an interrupted
 sweep). Prints Markdown tables; ``--json`` also writes the figures. CPU: bytes ~2 min, accuracy
-~35 min on 2 idle cores with the defaults.
+~90 min on 2 idle cores with the defaults (27 runs of 2.5-8 min each on one thread).
 
     .venv/bin/python scripts/bench_state_bits.py [--part all] [--seeds 0 1 2] [--epochs 12]
 """
