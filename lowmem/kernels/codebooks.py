@@ -7,11 +7,11 @@ largest magnitude (``absmax``, FP32) and every value as the code of the nearest 
 4-bit States"). A value reads back as ``map[code] * absmax``.
 
 The maps are *dynamic exponent* maps (Dettmers, 2016), all but the 4-bit second moment's (below):
-numbers spread over decades, each decade
-holding half as many as the one above it, so the relative precision is best near the block's
-maximum and small values still keep their order of magnitude. For a map of D decades, decade d
-(0: [0.1, 1], 1: [0.01, 0.1], ...) holds ``2**(D-1-d)`` numbers ``10**-d * (0.1 + 0.9 * j / count)``,
-j = 1 .. count, so 1.0 is in every map (a block's largest value is stored exactly).
+numbers spread over decades, each decade holding half as many as the one above it, so the relative
+precision is best near the block's maximum and small values still keep their order of magnitude.
+For a map of D decades, decade d (0: [0.1, 1], 1: [0.01, 0.1], ...) holds ``2**(D-1-d)`` numbers
+``10**-d * (0.1 + 0.9 * j / count)``, j = 1 .. count, so 1.0 is in every map (a block's largest
+value is stored exactly; the linear map has it too).
 
 - ``signed`` maps (SGD's momentum, Adam's first moment): zero, 2**(bits-1) positive numbers over
   bits-1 decades plus one decade lower, and the negatives of all but that lowest one.
