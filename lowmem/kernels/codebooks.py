@@ -24,11 +24,11 @@ value is stored exactly; the linear map has it too).
 
   Why linear at 4 bits (Li et al.'s choice for the second moment, their "Linear" map, there without
   a zero at all): Adam divides by ``sqrt(v)``, so what matters is v's *relative* error where v is
-  large, and a small v only needs to stay away from zero. The 4-bit dynamic exponent map spends 7 of
-  its 15 entries below a tenth of the block's maximum and leaves gaps of 0.1125 above 0.2 (53% of
-  the entry at 0.21); the linear map's gaps are 1/15 everywhere (7% at the top), and a second moment
-  below 1/15 of its block's maximum reads back as 1/15 of it (a smaller step for that weight, never
-  a larger one). Measured (DynamicConv on phrases, Adam, 3 seeds, README): the dynamic exponent map
+  large, and a small v only needs to stay away from zero. The 4-bit dynamic exponent map puts 7 of
+  its 15 positive entries at or below a tenth of the maximum and leaves gaps of 0.1125 above 0.2
+  (53% of the entry at 0.21); the linear map's gaps are 1/15 everywhere (7% at the top), and a
+  second moment below 1/15 of its block's maximum reads back as 1/15 of it (a smaller step for that
+  weight, never a larger one). Measured (DynamicConv on phrases, Adam, 3 seeds, README): the dynamic exponent map
   trained 0.72 BLEU below 16-bit state, the linear map within 0.5.
 
 Rounding is to the nearest map entry: the code is the number of midpoints (FP32, between
