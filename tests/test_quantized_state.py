@@ -60,11 +60,12 @@ def test_a_round_trip_is_the_nearest_map_entry_times_the_block_maximum(bits, sig
     expected = brute_force(values, bits, block_size, signed)
     # Equal except where a value lies within rounding of a midpoint (none in practice).
     assert (back != expected).float().mean() < 1e-4
-    # Within the format's step: half the widest gap between neighbouring entries, times the scale; in
-    # an unsigned map a positive value below the first positive entry reads back as that entry.
+    # Within the format's step: half the widest gap between neighbouring entries, times the scale.
     table = torch.tensor(codebooks.code_map(bits, signed))
-    half_gap = (table[1:] - table[:-1]).max() / 2 if signed else (table[2:] - table[1:-1]).max() / 2
-    step = half_gap if signed else torch.maximum(half_gap, table[1])
+    if signed:
+        step = (table[1:] - table[:-1]).max() / 2
+    else:  # a positive value below the first positive entry reads back as that entry
+        step = torch.maximum((table[2:] - table[1:-1]).max() / 2, table[1])
     scales = state.scales.repeat_interleave(block_size)[: values.numel()]
     assert ((back - values).abs() <= step * scales + 1e-12).all()
     assert (back[values == 0] == 0).all()  # exact zeros stay exact
