@@ -12,7 +12,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,models]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -39,9 +39,11 @@ gpu-check: $(STAMP)
 # The first thing to run on a GPU: gpu-check, the memory/speed benchmark (default and capped workspaces)
 # and the demo, written to docs/measurements/<date>-<device>.md (OUT=path elsewhere; TINY=1: toy shapes,
 # what a CPU-only machine runs). On a machine without the venv: make gpu-report PY=python3.
+# OUT only from the command line: the GPU machine's own $OUT (an output folder) is not a report path.
+REPORT_OUT := $(if $(filter command line,$(origin OUT)),$(OUT))
 gpu-report: $(if $(filter command line,$(origin PY)),,$(STAMP))
-	$(PY) scripts/gpu_report.py $(if $(filter-out 0,$(TINY)),--tiny) $(if $(OUT),--out "$(OUT)") \
-		--command "make gpu-report$(if $(TINY), TINY=$(TINY))$(if $(OUT), OUT=$(OUT))"
+	$(PY) scripts/gpu_report.py $(if $(filter-out 0,$(TINY)),--tiny) $(if $(REPORT_OUT),--out "$(REPORT_OUT)") \
+		--command "make gpu-report$(if $(TINY), TINY=$(TINY))$(if $(REPORT_OUT), OUT=$(REPORT_OUT))"
 
 bench: $(STAMP)
 	$(PY) scripts/bench_data.py

@@ -361,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         except NotApplicable as reason:
             status, detail = "N/A", str(reason)
         except Exception as error:  # noqa: BLE001 - every failure is reported, the others still run
-            message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+            # A compiler's message starts with where ("at 22:4:") and ends with what: show both.
+            message = " ... ".join(dict.fromkeys(lines[:1] + lines[-1:]))
             status, detail = "FAIL", f"{type(error).__name__}: {message}"
         counts[status] += 1
         print(f"{status:<4} {case.name} ({time.perf_counter() - began:.1f} s): {detail}", flush=True)

@@ -406,9 +406,11 @@ class DeviceBatches:
 
     def _deliver(self, tensor: Tensor) -> Tensor:
         """A minibatch tensor on the batches' device (copied from pinned host memory if need be)."""
-        if tensor.device == self.device:
+        if tensor.device.type == self.device.type and (
+            self.device.index is None or tensor.device.index == self.device.index
+        ):  # already there: ``cuda`` names the current device, which a ``cuda:0`` tensor is on
             return tensor
-        if self.device.type == "cuda" and not tensor.is_pinned():
+        if tensor.device.type == "cpu" and self.device.type == "cuda" and not tensor.is_pinned():
             tensor = tensor.pin_memory()
         return tensor.to(self.device, non_blocking=True)
 
