@@ -129,6 +129,58 @@ def test_convert_keeps_state_dict_keys_and_normalization_in_fp32():
     assert not model[1]._forward_pre_hooks and not model[1]._forward_hooks
 
 
+class _Rotary(nn.Module):
+    """A parameter-free module holding a constant (as transformers' rotary embeddings do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 16, 2) / 16)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        angles = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * self.inv_freq
+        return (x * angles.cos().to(x.dtype).repeat(1, 2)).to(x.dtype)
+
+
+class _WithConstants(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rotary, self.linear = _Rotary(), nn.Linear(16, 16)
+        self.linear.register_buffer("mask", torch.full((16,), 0.3), persistent=False)  # computes with the weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.rotary(x)) * self.linear.mask
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_16_bit_keeps_the_constants_of_parameter_free_modules(precision):
+    from lowmem.techniques.precision import kept_constants
+
+    model = convert_model(_WithConstants(), make_policy(precision, CPU))
+    exact = _Rotary().inv_freq
+    assert model.rotary.inv_freq.dtype == torch.float32 and torch.equal(model.rotary.inv_freq, exact)
+    assert model.linear.mask.dtype == model.linear.weight.dtype != torch.float32  # a module with parameters
+    assert kept_constants(model) == ["rotary.inv_freq"]
+    # Rebuilt and reloaded from its state dict, the model is the same model (the constant is not saved).
+    again = convert_model(_WithConstants(), make_policy(precision, CPU))
+    again.load_state_dict(model.state_dict())
+    x = torch.randn(2, 5, 16).to(model.linear.weight.dtype)
+    assert torch.equal(again(x), model(x))
+
+
+def test_16_bit_llama_keeps_its_rotary_frequencies_exact():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=50)
+    model = transformers.LlamaForCausalLM(config)
+    exact = model.model.rotary_emb.inv_freq.clone()
+    convert_model(model, make_policy("bf16", CPU))
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(model.model.rotary_emb.inv_freq, exact)
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    logits = model(input_ids=torch.randint(0, 50, (2, 7))).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
 @pytest.mark.parametrize("norm", [nn.LayerNorm(6), nn.GroupNorm(2, 6)])
 def test_layer_and_group_norm_run_in_fp32(norm):
     model = convert_model(nn.Sequential(nn.Linear(6, 6), norm), make_policy("bf16", CPU))
