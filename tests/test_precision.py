@@ -145,10 +145,11 @@ class _WithConstants(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.rotary, self.linear = _Rotary(), nn.Linear(16, 16)
-        self.linear.register_buffer("mask", torch.full((16,), 0.3), persistent=False)  # computes with the weight
+        # A block's constant whose parameters are in its children computes with them: 16-bit.
+        self.register_buffer("mask", torch.full((16,), 0.3), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.rotary(x)) * self.linear.mask
+        return self.linear(self.rotary(x)) * self.mask
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -158,7 +159,7 @@ def test_16_bit_keeps_the_constants_of_parameter_free_modules(precision):
     model = convert_model(_WithConstants(), make_policy(precision, CPU))
     exact = _Rotary().inv_freq
     assert model.rotary.inv_freq.dtype == torch.float32 and torch.equal(model.rotary.inv_freq, exact)
-    assert model.linear.mask.dtype == model.linear.weight.dtype != torch.float32  # a module with parameters
+    assert model.mask.dtype == model.linear.weight.dtype != torch.float32
     assert kept_constants(model) == ["rotary.inv_freq"]
     # Rebuilt and reloaded from its state dict, the model is the same model (the constant is not saved).
     again = convert_model(_WithConstants(), make_policy(precision, CPU))

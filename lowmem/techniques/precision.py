@@ -169,12 +169,13 @@ def convert_model(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
     For fp16/bf16 every floating-point parameter and buffer becomes ``policy.param_dtype``, except
     in the normalization layers (``NORMALIZATION_TYPES``), which stay FP32, and except the constants
     of parameter-free modules: a floating-point buffer registered ``persistent=False`` (not in the
-    state dict: the module computes it from its configuration) in a module with no parameters of
-    its own, e.g. a rotary embedding's ``inv_freq``, keeps its dtype. Rounding it would change the
+    state dict: the module computes it from its configuration) in a module with no parameters
+    (itself and the modules inside it), e.g. a rotary embedding's ``inv_freq``, keeps its dtype. Rounding it would change the
     model for good (Llama's rotary frequencies by up to 0.37%, growing with position) and make it
     differ from itself rebuilt and reloaded, since the state dict does not carry it. The buffers of
     modules with parameters (masks, relative-position tables, biases kept as buffers) compute with
-    those parameters and become 16-bit with them. They take the 16-bit
+    those parameters and become 16-bit with them (a block's attention mask, even when the block's
+    parameters are in its children). They take the 16-bit
     input as it is: torch's normalization kernels accept a 16-bit input with FP32 parameters,
     compute the statistics in FP32 and return the input's dtype — so the activations they save for
     backward stay 16-bit (casting the input to FP32 first would double that memory). Integer and
@@ -198,13 +199,18 @@ def convert_model(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
 def _cast_own_tensors(module: nn.Module, dtype: torch.dtype) -> None:
     """Cast the module's own (not its children's) floating-point parameters and buffers, but not
     the constants of a parameter-free module (see ``convert_model``)."""
-    params = list(module.parameters(recurse=False))
-    for param in params:
+    for param in module.parameters(recurse=False):
         if param.is_floating_point():
             param.data = param.data.to(dtype)  # keeps the Parameter object, so references stay valid
+    constant_holder = not _has_parameters(module)
     for name, buffer in module.named_buffers(recurse=False):
-        if buffer.is_floating_point() and not (not params and name in module._non_persistent_buffers_set):
+        if buffer.is_floating_point() and not (constant_holder and name in module._non_persistent_buffers_set):
             setattr(module, name, buffer.to(dtype))
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` or any module inside it has parameters."""
+    return any(True for _ in module.parameters())
 
 
 def kept_constants(model: nn.Module) -> list[str]:
@@ -212,7 +218,7 @@ def kept_constants(model: nn.Module) -> list[str]:
     return [
         f"{prefix}.{name}" if prefix else name
         for prefix, module in model.named_modules()
-        if not isinstance(module, NORMALIZATION_TYPES) and not any(True for _ in module.parameters(recurse=False))
+        if not isinstance(module, NORMALIZATION_TYPES) and not _has_parameters(module)
         for name, buffer in module.named_buffers(recurse=False)
         if buffer.is_floating_point() and name in module._non_persistent_buffers_set
     ]
