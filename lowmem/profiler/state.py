@@ -147,9 +147,9 @@ def account_state(
 # Compact sparse positions as stored (``lowmem.techniques.compact``): an int16 column per active
 # entry and int64 row starts, one per row of ``COMPACT_ROW`` entries of the flattened weight, plus one.
 COMPACT_COLUMN_BYTES, COMPACT_ROW_START_BYTES, COMPACT_ROW = 2, 8, 1 << 15
-# Building a dense weight expands its positions by chunks of 2**17 entries: int64 flat indices
-# and, while they are summed, int32 ones (compact.DENSIFY_CHUNK).
-COMPACT_INDEX_SCRATCH_BYTES = (1 << 17) * (8 + 4)
+# Building a dense weight expands its positions by chunks of up to 2**17 entries: int64 flat
+# indices and, while they are summed, int32 ones (compact.DENSIFY_CHUNK), bytes per entry.
+COMPACT_DENSIFY_CHUNK, COMPACT_INDEX_SCRATCH_BYTES = 1 << 17, 8 + 4
 
 
 class StepTemporaries(NamedTuple):
@@ -190,7 +190,8 @@ def step_temporaries(
             rows = max(1, -(-math.prod(shape) // COMPACT_ROW))
             stored = nonzeros * COMPACT_COLUMN_BYTES + (rows + 1) * COMPACT_ROW_START_BYTES
             positions += max(0, stored - csr_index_bytes(shape, nonzeros))
-            dense = max(dense, math.prod(shape) * param.element_size() + COMPACT_INDEX_SCRATCH_BYTES)
+            scratch = min(nonzeros, COMPACT_DENSIFY_CHUNK) * COMPACT_INDEX_SCRATCH_BYTES
+            dense = max(dense, math.prod(shape) * param.element_size() + scratch)
         if param.requires_grad and microbatches > 1:
             accumulation = max(accumulation, 2 * nonzeros * param.element_size())
     return StepTemporaries(positions, dense, accumulation)
