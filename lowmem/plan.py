@@ -125,7 +125,7 @@ def plan_search(
             ):
                 # The search's schedule does not stand for this build: its checkpoints placed afresh.
                 report, row = profile_row(planner.build_chosen(chosen, reuse=False), verify)
-        except ConfigError as refusal:  # lowmem.prepare / lowmem.train would refuse it: never chosen
+        except (ConfigError, ValueError) as refusal:  # lowmem.prepare / lowmem.train refuse it: never chosen
             say(f"(#{found.index(chosen) + 1} refused when built: {str(refusal).splitlines()[0]}: skipped)")
             continue
         held = max(row["budget_total_bytes"], row["peak_bytes"] or 0)

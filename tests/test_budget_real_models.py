@@ -112,7 +112,8 @@ def test_plan_skips_a_configuration_its_build_refuses(monkeypatch: pytest.Monkey
     monkeypatch.setattr(Planner, "build_chosen", refuse_the_first)
     monkeypatch.setattr("lowmem.planning.ahead.usable", lambda: False)  # no child profiling the first one
     x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
-    plan = lowmem.plan(small_convnet(), classification_loss, (x, y), budget_mb=50, overrides=CPU)
+    fixed = [*CPU, "checkpointing.strategy=none", "sparsity.density=1.0"]  # no blocks, no sparsifiable weight
+    plan = lowmem.plan(small_convnet(), classification_loss, (x, y), budget_mb=50, overrides=fixed)
     assert refused and plan["configuration"] != refused[0]
     lowmem.prepare(small_convnet(), classification_loss, (x, y), overrides=[*plan["overrides"], "trainer.device=cpu"])
 
