@@ -3,7 +3,9 @@
 Searches density, precision, optimizer state bits (``optim.state_bits``: the precision's width, 8,
 4), microbatch size and checkpointing (``optimal`` included) for the configurations whose accounted
 total (the report's model + optimizer + activations, exactly as ``lowmem.profile`` prints it for
-the first minibatch) is at most X MB (1e6 bytes); any searched knob given on the command line is
+the first minibatch) plus the step's temporaries a real step holds beyond it (``budget_total_bytes``:
+compact sparse positions as stored, dense weight temporaries, gradient accumulation, the largest op
+temporary) is at most X MB (1e6 bytes); any searched knob given on the command line is
 fixed to that value (``lowmem.planning.search``). Preference: the highest density (accuracy), then
 the widest optimizer state (accuracy), then the largest microbatch (speed), then the fewest FLOPs.
 
@@ -11,7 +13,9 @@ Prints a table of the best ``plan.top`` configurations (state bits, accounted to
 accuracy the report measured for them where it has a figure), then the chosen one built and
 profiled as ``lowmem.profile`` would (``plan.verify=true``: with one real step, for its measured
 peak; an optimal schedule is taken from the search rather than measured again, and measured again
-if the built trainer's accounting differs), and as the **last stdout line** one JSON object with
+if the built trainer's accounting differs; a configuration whose build is refused, whose figure
+built alone exceeds the budget or, verified, whose measured peak does, is skipped for the next one),
+and as the **last stdout line** one JSON object with
 ``"overrides"`` (``knob=value`` strings to add to the same command line for ``lowmem.train``) and
 ``"total_bytes"``. Also written to ``plan.json`` in Hydra's run directory. When nothing fits, it
 fails (non-zero exit) naming the smallest achievable total and its configuration.
@@ -111,20 +115,23 @@ def plan_search(
         smallest = planner.smallest()
         raise NothingFits(budget_mb, smallest, planner.overrides(smallest))
     say(table(planner, found, budget_mb))
+    planner.release(keep=found)  # the search's trainers and fake-pass caches: not part of what is profiled
     for chosen in found:
-        report, row = profiled.pop(chosen, None) or profile_row(planner.build_chosen(chosen), verify)
-        # With CUDA graph replay, what must fit is the total with the graphs' pool (the search's figures).
-        if chosen.strategy == "optimal" and (_held_activations(row), row["flops"]) != (
-            chosen.activation_bytes, chosen.flops
-        ):
-            # The search's schedule does not stand for this build: its checkpoints placed afresh.
-            report, row = profile_row(planner.build_chosen(chosen, reuse=False), verify)
-        if row["total_with_graph_pool_bytes"] <= budget:
+        try:
+            report, row = profiled.pop(chosen, None) or profile_row(planner.build_chosen(chosen), verify)
+            # With CUDA graph replay, what must fit is the total with the graphs' pool (the search's figures).
+            if chosen.strategy == "optimal" and (_held_activations(row), row["flops"]) != (
+                chosen.activation_bytes, chosen.flops
+            ):
+                # The search's schedule does not stand for this build: its checkpoints placed afresh.
+                report, row = profile_row(planner.build_chosen(chosen, reuse=False), verify)
+        except (ConfigError, ValueError) as refusal:  # lowmem.prepare / lowmem.train refuse it: never chosen
+            say(f"(#{found.index(chosen) + 1} refused when built: {str(refusal).splitlines()[0]}: skipped)")
+            continue
+        held = max(row["budget_total_bytes"], row["peak_bytes"] or 0)
+        if held <= budget:
             break
-        say(
-            f"(#{found.index(chosen) + 1} profiled at {row['total_with_graph_pool_bytes'] / MB:.3f} MB when built "
-            "alone: skipped)"
-        )
+        say(f"(#{found.index(chosen) + 1} profiled at {held / MB:.3f} MB when built alone: skipped)")
     else:
         raise ConfigError(f"plan.budget_mb={budget_mb:g}: no configuration found fits when built alone")
     chosen_overrides = planner.overrides(chosen)
@@ -138,6 +145,8 @@ def plan_search(
         "overrides": chosen_overrides,
         "total_bytes": row["total_bytes"],
         "total_with_graph_pool_bytes": row["total_with_graph_pool_bytes"],
+        "step_temporary_bytes": row["step_temporary_bytes"],
+        "budget_total_bytes": row["budget_total_bytes"],
         "model_bytes": row["model_bytes"],
         "optimizer_bytes": row["optimizer_bytes"],
         "optimizer_state_bytes": row.get("optimizer_state_bytes"),

@@ -259,6 +259,8 @@ def wrn_plan():
                                   "checkpointing.budget_mb=1e-6"))  # fmt: skip
     dense = profiled()
     budget = dense["model_bytes"] + dense["optimizer_bytes"] + error.value.smallest_bytes - 1
+    # The budget holds the step's temporaries too (gradient accumulation at microbatch 2).
+    budget += Planner([*TINY_WRN, "precision=fp32"], budget).temporary_bytes(1.0, "fp32", 2)
     planner = Planner([*TINY_WRN, "precision=fp32", "optim.state_bits=null", f"plan.budget_mb={budget / MB}"], budget)
     return planner, planner.search(top=6), budget
 

@@ -19,7 +19,12 @@ quantization error), then the largest microbatch (speed: fewer, larger kernels),
 FLOPs (recomputation), then fp32 before fp16 (no loss-scale skips), then the smallest total.
 
 Every figure is the report's accounting as ``lowmem.profile`` prints it for the first minibatch,
-each knob's share accounted once and combined. Model and optimizer bytes depend on density,
+each knob's share accounted once and combined. What fits the budget is that total plus the step's
+temporaries that depend on density and microbatching (``lowmem.profiler.step_temporaries``:
+compact sparse positions as stored, a compact layer's dense weight and gradient, gradient
+accumulation), which a real step holds on top of the accounting; ``lowmem.plan`` then checks the
+chosen configuration built alone, with its largest op temporary too (``budget_total_bytes``).
+Model and optimizer bytes depend on density,
 precision and state bits only: counted per triple on the precision's trainer, without drawing
 masks or building an optimizer (``lowmem.profiler.account_state``; sparse weights as CSR).
 Activation bytes and FLOPs depend on precision, microbatch and checkpointing only: one model per
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -57,7 +63,7 @@ from lowmem.config import QUANTIZED_STATE_BITS, ConfigError, compose, state_widt
 from lowmem.planning import ahead
 from lowmem.planning.optimal import AccountedSchedule, CheckpointPlacement, MinibatchAccounting, reusing_placement
 from lowmem.planning.reported import reported_metric
-from lowmem.profiler import MB, StateBytes, account_state
+from lowmem.profiler import MB, StateBytes, account_state, step_temporaries
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.trainer import Trainer, build_trainer
 
@@ -90,10 +96,16 @@ class Candidate:
     flops: int
     schedule: str = ""  # optimal: the schedule chosen (lowmem.planning.schedule.describe)
     state_bits: int | None = None  # optim.state_bits: 8 or 4; None: the precision's own width
+    temporary_bytes: int = 0  # a real step's temporaries beyond the accounting (step_temporaries)
 
     @property
     def total_bytes(self) -> int:
         return self.model_bytes + self.optimizer_bytes + self.activation_bytes
+
+    @property
+    def budget_total_bytes(self) -> int:
+        """What the budget is compared with: the accounted total and the step's temporaries."""
+        return self.total_bytes + self.temporary_bytes
 
     @property
     def bits(self) -> int:
@@ -136,7 +148,8 @@ class Planner:
 
     overrides: the command line's overrides (``plan.*`` ones included, ignored); those of searched
         knobs restrict the search to their value.
-    budget_bytes: the accounted total (model + optimizer + activations) to fit.
+    budget_bytes: the accounted total (model + optimizer + activations) plus the step's
+        temporaries (``Candidate.budget_total_bytes``) to fit.
     """
 
     def __init__(
@@ -171,6 +184,7 @@ class Planner:
             strategies = [(s, cfg.checkpointing.every if e is not None else None) for s, e in strategies]
         self.strategies = tuple(dict.fromkeys(strategies))
         self._states: dict[tuple[float, str, int | None], StateBytes] = {}
+        self._temporaries: dict[tuple[float, str, int | None], int] = {}
         self._trainers: dict[tuple[str, int | None], Trainer | None] = {}
         self._valid: dict[str, tuple[int | None, ...]] = {}
         self._placements: dict[tuple[str, int | None], CheckpointPlacement] = {}
@@ -313,10 +327,16 @@ class Planner:
     def _smallest_at(self, density: float, precision: str, bits: int | None) -> list[Candidate | None]:
         microbatch = self._valid_sizes(precision)[-1]
         state = self.state_bytes(density, precision, bits)
+        temporary = self.temporary_bytes(density, precision, microbatch)
         if not self._optimal_allowed:
-            return [self._fixed(density, precision, bits, microbatch, s, e, state) for s, e in self.strategies]
+            return [
+                self._fixed(density, precision, bits, microbatch, s, e, state, temporary=temporary)
+                for s, e in self.strategies
+            ]
         schedule = self._placement(precision, microbatch).smallest()
-        return [self._optimal(density, precision, bits, microbatch, state, schedule, schedule.activation_bytes)]
+        return [
+            self._optimal(density, precision, bits, microbatch, state, schedule, schedule.activation_bytes, temporary)
+        ]
 
     def overrides(self, candidate: Candidate) -> list[str]:
         """The overrides to add to the command line planned with (knobs it fixed are left out)."""
@@ -325,6 +345,16 @@ class Planner:
     def compose(self, candidate: Candidate) -> DictConfig:
         """The configuration ``lowmem.train <command line> <overrides>`` runs for ``candidate``."""
         return compose_config(*self.base, *(f"{k}={v}" for k, v in candidate.knobs().items()))
+
+    def release(self, keep: Sequence[Candidate] = ()) -> None:
+        """Drop the search's trainers and accountings (models, fake-pass caches), keeping only the
+        placements ``keep``'s optimal schedules are built from: what the search leaves alive is not
+        the chosen run's, and is freed before that run is built and measured."""
+        needed = {(c.precision, c.microbatch) for c in keep if c.strategy == "optimal"}
+        self._placements = {key: placement for key, placement in self._placements.items() if key in needed}
+        self._trainers.clear()
+        self._accountings.clear()
+        gc.collect()
 
     def build_chosen(self, candidate: Candidate, reuse: bool = True) -> Trainer:
         """The trainer ``lowmem.train`` builds for ``candidate``. With ``reuse``, optimal
@@ -353,16 +383,22 @@ class Planner:
     def _optimal_allowed(self) -> bool:
         return any(strategy == "optimal" for strategy, _ in self.strategies)
 
-    def _room(self, density: float, precision: str, bits: int | None) -> int:
-        """What ``density``, ``precision`` and ``bits`` leave of the budget for activations (bytes)."""
+    def _room(self, density: float, precision: str, bits: int | None, microbatch: int | None = None) -> int:
+        """What ``density``, ``precision``, ``bits`` and the step's temporaries at ``microbatch``
+        leave of the budget for activations (bytes). (The default, the whole minibatch, has no
+        accumulation: the least temporaries of any size.)"""
         state = self.state_bytes(density, precision, bits)
-        return self.budget - state.model_bytes - state.optimizer_bytes
+        temporary = self.temporary_bytes(density, precision, microbatch)
+        return self.budget - state.model_bytes - state.optimizer_bytes - temporary
 
     def _fitting(self, density: float, precision: str, bits: int | None, microbatch: int | None) -> list[Candidate]:
         """The configurations at (density, precision, bits, microbatch) whose total fits the budget."""
         state = self.state_bytes(density, precision, bits)
-        room = self._room(density, precision, bits)
-        if room <= 0 or self._trainer_for(precision, microbatch) is None:
+        if self._trainer_for(precision, microbatch) is None:
+            return []
+        room = self._room(density, precision, bits, microbatch)
+        temporary = self.temporary_bytes(density, precision, microbatch)
+        if room <= 0:
             return []
         # No schedule goes below optimal's smallest.
         if self._optimal_allowed and not self._placement(precision, microbatch).reaches(room):
@@ -370,30 +406,30 @@ class Planner:
         fitting = []
         for strategy, every in self.strategies:
             if strategy != "optimal":
-                candidate = self._fixed(density, precision, bits, microbatch, strategy, every, state, room)
+                candidate = self._fixed(density, precision, bits, microbatch, strategy, every, state, room, temporary)
                 if candidate is not None:
                     fitting.append(candidate)
         if self._optimal_allowed:
             accounted = self._placement(precision, microbatch).cheapest(room)
             # A schedule that is one of the fixed patterns is listed under its simpler name only.
             if not any((c.activation_bytes, c.flops) == (accounted.activation_bytes, accounted.flops) for c in fitting):
-                fitting.append(self._optimal(density, precision, bits, microbatch, state, accounted, room))
+                fitting.append(self._optimal(density, precision, bits, microbatch, state, accounted, room, temporary))
         return fitting
 
     @staticmethod
     def _optimal(
         density: float, precision: str, bits: int | None, microbatch: int | None, state: StateBytes,
-        accounted: AccountedSchedule, budget: int,
+        accounted: AccountedSchedule, budget: int, temporary: int,
     ) -> Candidate:  # fmt: skip
         """Optimal checkpointing within ``budget`` activation bytes, as ``accounted`` (its schedule)."""
         return Candidate(
             density, precision, microbatch, "optimal", None, budget, state.model_bytes, state.optimizer_bytes,
-            accounted.activation_bytes, accounted.flops, str(accounted.plan), bits,
+            accounted.activation_bytes, accounted.flops, str(accounted.plan), bits, temporary,
         )  # fmt: skip
 
     def _fixed(
         self, density: float, precision: str, bits: int | None, microbatch: int | None, strategy: str,
-        every: int | None, state: StateBytes, room: int | None = None,
+        every: int | None, state: StateBytes, room: int | None = None, temporary: int = 0,
     ) -> Candidate | None:  # fmt: skip
         """A fixed strategy's candidate; None when the blocks cannot run it, or (with ``room``) when
         its activations exceed ``room`` bytes."""
@@ -414,7 +450,7 @@ class Planner:
         every = every if strategy in ("residual", "residual_star") else None
         return Candidate(
             density, precision, microbatch, strategy, every, None, state.model_bytes, state.optimizer_bytes,
-            accounted.activation_bytes, accounted.flops, state_bits=bits,
+            accounted.activation_bytes, accounted.flops, state_bits=bits, temporary_bytes=temporary,
         )  # fmt: skip
 
     def _valid_sizes(self, precision: str) -> tuple[int | None, ...]:
@@ -478,17 +514,34 @@ class Planner:
         if key not in self._states:
             trainer = self._trainer_for(precision, None)
             model = trainer.unwrapped_model
-            if trainer.sparsity is not None:  # sparsity.density was fixed: that trainer's own masks
-                sparse = trainer.sparsity.trained_parameters()
-            elif density < 1.0:
-                params = dict(model.named_parameters())
-                names = trainer.recipe.sparsifiable_weights(model)
-                sparse = {name: (params[name].shape, round(density * params[name].numel())) for name in names}
-            else:
-                sparse = None
+            sparse = self._sparse_weights(trainer, density)
             block = self.cfg.optim.state_block_size
             self._states[key] = account_state(model, trainer.optimizer, sparse, state_bits=bits, state_block_size=block)
         return self._states[key]
+
+    def temporary_bytes(self, density: float, precision: str, microbatch: int | None) -> int:
+        """The step's temporaries beyond the accounting at ``density`` and ``microbatch``
+        (``lowmem.profiler.step_temporaries``, weights as ``state_bytes`` counts them)."""
+        key = (density, precision, microbatch)
+        if key not in self._temporaries:
+            trainer = self._trainer_for(precision, None)
+            model = trainer.unwrapped_model
+            sparse = self._sparse_weights(trainer, density)
+            batch = self.cfg.data.batch_size
+            microbatches = 1 if microbatch is None else -(-batch // microbatch)
+            self._temporaries[key] = step_temporaries(model, sparse, microbatches).total
+        return self._temporaries[key]
+
+    def _sparse_weights(self, trainer: Trainer, density: float) -> dict | None:
+        """The sparse weights at ``density`` (name -> dense shape, active count), as DSR keeps them."""
+        model = trainer.unwrapped_model
+        if trainer.sparsity is not None:  # sparsity.density was fixed: that trainer's own masks
+            return trainer.sparsity.trained_parameters()
+        if density < 1.0:
+            params = dict(model.named_parameters())
+            names = trainer.recipe.sparsifiable_weights(model)
+            return {name: (params[name].shape, round(density * params[name].numel())) for name in names}
+        return None
 
     def _trainer_for(self, precision: str, microbatch: int | None) -> Trainer | None:
         """The trainer whose activations stand for every density at (precision, microbatch); None

@@ -14,7 +14,14 @@ microbatches, train_step)``; both return a ``MemoryReport``. The parts, each usa
 from lowmem.profiler.activations import ActivationTrace, ActivationTracer, account_activations
 from lowmem.profiler.peak import AllocationTracker, PeakMeasurement, count_flops, measure_peak, track_peak
 from lowmem.profiler.report import MB, MemoryReport, Microbatch, profile_step
-from lowmem.profiler.state import StateBytes, account_state, csr_index_bytes, quantized_state_bytes
+from lowmem.profiler.state import (
+    StateBytes,
+    StepTemporaries,
+    account_state,
+    csr_index_bytes,
+    quantized_state_bytes,
+    step_temporaries,
+)
 from lowmem.profiler.step import batch_shapes, profile_row, profile_trainer
 
 __all__ = [
@@ -26,6 +33,7 @@ __all__ = [
     "Microbatch",
     "PeakMeasurement",
     "StateBytes",
+    "StepTemporaries",
     "account_activations",
     "account_state",
     "batch_shapes",
@@ -36,5 +44,6 @@ __all__ = [
     "profile_step",
     "profile_trainer",
     "quantized_state_bytes",
+    "step_temporaries",
     "track_peak",
 ]

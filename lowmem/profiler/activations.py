@@ -86,6 +86,10 @@ class ActivationTrace:
     peak_location: str  # last aten op (forward) or the autograd node running (backward)
     saved_tensors: int  # tensors packed by autograd (parameters and buffers not included)
     flops: int  # of everything run: forward, backward, recomputation (torch.utils.flop_counter's formulas)
+    # The most bytes one forward op's new outputs take (a logits-sized softmax): the largest op
+    # temporary of a step, outside the report's accounting (backward's outputs are activation and
+    # weight gradients, which it counts).
+    largest_op_bytes: int = 0
 
 
 def op_tensors(tree: Any) -> list[torch.Tensor]:
@@ -271,6 +275,7 @@ class ActivationTracer(TorchDispatchMode):
         self.created: set[int] = set()
         self.saved_tensors = 0
         self.flops = 0
+        self.largest_op_bytes = 0
         self._mask_keys = itertools.count(-1, -1)  # negative: never a storage key
         self._last_op = ""
         self._hooks = contextlib.ExitStack()
@@ -336,13 +341,19 @@ class ActivationTracer(TorchDispatchMode):
         # A new storage: not a view (of an input, or of real data a fake pass converted) nor in place.
         aliases = any(r.alias_info is not None for r in func._schema.returns)
         input_keys = {storage_key(t) for t in inputs}
+        new_bytes = 0
         for tensor in [] if aliases else outputs:
             key = storage_key(tensor)
             if key not in input_keys and key not in self.created:
                 self.created.add(key)
+                new_bytes += tensor.untyped_storage().nbytes()
                 weakref.finalize(tensor.untyped_storage(), self.created.discard, key)
         self._last_op = func.overloadpacket.__name__
         state_inputs = [t for t in inputs if storage_key(t) in self.from_state]
+        # Forward ops on activations only: a compact layer's dense weight, built from model state,
+        # is a temporary of its own (lowmem.profiler.step_temporaries).
+        if torch._C._current_autograd_node() is None and len(state_inputs) < len(inputs):
+            self.largest_op_bytes = max(self.largest_op_bytes, new_bytes)
         if inputs and len(state_inputs) == len(inputs):
             for tensor in outputs:
                 self._mark_from_state(tensor)
@@ -454,6 +465,7 @@ class ActivationTracer(TorchDispatchMode):
             peak_location=ledger.peak_location,
             saved_tensors=self.saved_tensors,
             flops=self.flops,
+            largest_op_bytes=self.largest_op_bytes,
         )
 
 

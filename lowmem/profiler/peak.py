@@ -6,12 +6,19 @@ live tensor storages seen by ``AllocationTracker`` (a ``TorchDispatchMode``: eve
 storage counts from its creation until it dies, on top of every tensor alive when the step
 starts). Kernel-internal scratch buffers that never become tensors are not seen on CPU. Both
 report a breakdown at the peak moment and where it happened.
+
+Whose tensors: given ``owners`` (a run's trainer), the CPU tracker counts only the tensors alive at
+the start that those objects reach (``reachable_tensors``: the model, optimizer state, data and
+whatever else the run holds) plus everything the step creates; tensors the caller holds (another
+model, a leftover of the planner) are not the run's and are not counted. Without ``owners`` every
+tensor alive at the start counts (as "other" when nothing names it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -36,7 +43,8 @@ from lowmem.techniques.precision import CpuHalfConvolutionBackward
 # - parameters: parameters and buffers (BatchNorm statistics, compact sparse positions);
 # - gradients, optimizer_state, saved_activations (what autograd holds for backward);
 # - temporary: everything else the step creates (unsaved outputs, activation gradients, scratch);
-# - other: tensors alive at the start that are none of the above.
+# - other: tensors alive at the start that are none of the above (with ``owners``: only those the
+#   run reaches).
 PEAK_CATEGORIES = (
     "data",
     "workspaces",
@@ -75,8 +83,9 @@ class AllocationTracker(TorchDispatchMode):
     step creates gradients and optimizer state. Storages autograd saves for backward become
     ``saved_activations``; everything else created during the step is ``temporary`` (unsaved
     forward outputs, activation gradients, scratch). Tensors alive at the start that are none of
-    these are ``other``. On CUDA the allocator memory no tensor accounts for at the peak is
-    ``workspaces``. See ``PEAK_CATEGORIES``.
+    these are ``other``; with ``owners``, only those the owners reach count at all (see the module
+    docstring). On CUDA the allocator memory no tensor accounts for at the peak is ``workspaces``.
+    See ``PEAK_CATEGORIES``.
     """
 
     def __init__(
@@ -85,10 +94,12 @@ class AllocationTracker(TorchDispatchMode):
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         data: Iterable[torch.Tensor] = (),
+        owners: Iterable[object] | None = None,
     ) -> None:
         super().__init__()
         self.device, self.model, self.optimizer = torch.device(device), model, optimizer
         self.data = [t for t in data if isinstance(t, torch.Tensor)]
+        self.owners = None if owners is None else list(owners)
         self.live = dict.fromkeys(PEAK_CATEGORIES, 0)
         self.peak_bytes = self.start_bytes = 0
         self.breakdown: dict[str, int] = {}
@@ -167,7 +178,7 @@ class AllocationTracker(TorchDispatchMode):
             for tensor in tensors:
                 self._add(tensor, category)
         gc.collect()
-        for tensor in _live_tensors():
+        for tensor in _live_tensors() if self.owners is None else reachable_tensors(self.owners):
             self._add(tensor, "other")
         self.start_bytes = sum(self.live.values())
 
@@ -247,18 +258,55 @@ def _live_tensors() -> list[torch.Tensor]:
         return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
 
 
+# Objects whose references lead out of a run to the whole process (a function's globals, a module's
+# namespace, a class's attributes): ``reachable_tensors`` does not follow them.
+_NOT_FOLLOWED = (type, types.ModuleType, types.CodeType, types.FrameType, types.BuiltinFunctionType)
+
+
+def reachable_tensors(owners: Iterable[object]) -> list[torch.Tensor]:
+    """Every tensor reachable from ``owners`` through attributes, containers and closures (not
+    through module globals or classes): what a run holds. A tensor's own references are not
+    followed (a parameter's gradient is named by the tracker's model)."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    pending = list(owners)
+    while pending:
+        item = pending.pop()
+        if id(item) in seen or isinstance(item, _NOT_FOLLOWED):
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, types.FunctionType):
+            pending.extend(cell.cell_contents for cell in item.__closure__ or () if _filled(cell))
+            pending.extend(item.__defaults__ or ())
+        else:
+            pending.extend(gc.get_referents(item))
+    return found
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def track_peak(
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     device: torch.device | str | None = None,
     data: Iterable[torch.Tensor] = (),
+    owners: Iterable[object] | None = None,
 ) -> Iterator[AllocationTracker]:
     """Track the live tensor bytes of the code run inside; read ``.peak_bytes`` afterwards.
-    ``data``: the data set's and minibatch's tensors (the breakdown's "data")."""
+    ``data``: the data set's and minibatch's tensors (the breakdown's "data"); ``owners``: count
+    only the tensors alive at the start that these objects reach (``AllocationTracker``)."""
     if device is None:
         device = next(model.parameters()).device if model is not None else torch.device("cpu")
-    with AllocationTracker(device, model, optimizer, data) as tracker:
+    with AllocationTracker(device, model, optimizer, data, owners) as tracker:
         yield tracker
 
 
@@ -284,12 +332,14 @@ def measure_peak(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     data: Iterable[torch.Tensor] = (),
+    owners: Iterable[object] | None = None,
     fp32_conv_backward_on_cpu: bool = True,
 ) -> PeakMeasurement:
     """Run ``train_step`` once for real and measure its memory peak on the model's device.
 
     The step runs for real: it updates the weights and every other piece of training state.
     data: the data set's and the minibatch's tensors (the breakdown's "data").
+    owners: the objects whose tensors are the run's (``AllocationTracker``); None: every tensor alive.
     fp32_conv_backward_on_cpu: see ``lowmem.techniques.precision.CpuHalfConvolutionBackward`` (no effect
         on CUDA or in FP32).
     """
@@ -299,7 +349,7 @@ def measure_peak(
         torch.cuda.reset_peak_memory_stats(device)
     emulation = CpuHalfConvolutionBackward() if fp32_conv_backward_on_cpu and device.type == "cpu" \
         else contextlib.nullcontext()
-    with emulation, track_peak(model, optimizer, device, data) as tracker:
+    with emulation, track_peak(model, optimizer, device, data, owners) as tracker:
         train_step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -13,6 +13,12 @@ Two different figures, never mixed (SPEC §4):
   microbatches run eagerly (a short last one) allocate on top of it, so the run holds
   ``total_with_graph_pool_bytes`` = model + optimizer + pool + the eager shapes' activations (equal
   to ``total_bytes`` when nothing replays or every microbatch is replayed);
+- what a real step holds beyond the accounting, ``step_temporary_bytes`` (``step_temporaries``:
+  compact sparse positions as stored, a compact layer's dense weight and gradient, gradient
+  accumulation over microbatches, and ``largest_op_bytes``, the largest forward op's new outputs,
+  read off the fake pass), and ``budget_total_bytes`` = ``total_with_graph_pool_bytes`` + it: the
+  figure ``lowmem.plan`` and ``checkpointing.budget_mb``'s planner compare with a budget, as the
+  measured peak holds these too (the report's figures above stay its definition);
 - the **measured peak** ``peak_bytes`` of one real training step on the device
   (``lowmem.profiler.peak``), which also holds temporaries, gradient scratch and everything else.
 
@@ -50,7 +56,7 @@ from torch import nn
 
 from lowmem.profiler.activations import account_activations
 from lowmem.profiler.peak import measure_peak
-from lowmem.profiler.state import account_state
+from lowmem.profiler.state import account_state, step_temporaries
 
 MB = 1e6  # the report's megabyte (404.8 MB = 404.8e6 bytes)
 
@@ -90,6 +96,9 @@ class MemoryReport:
     optimizer_state_bytes: int = 0  # the optimizer state alone (part of optimizer_bytes): codes + scales when quantized
     graph_pool_bytes: int = 0  # accounted: replayed microbatches' activations, held in the CUDA graphs' pool (0: none)
     total_with_graph_pool_bytes: int = 0  # model + optimizer + graph pool + eager microbatches' activations
+    step_temporary_bytes: int = 0  # held by a real step beyond the accounting (positions, dense temporaries, ...)
+    step_temporaries: dict[str, int] = field(default_factory=dict)  # step_temporary_bytes by cause
+    budget_total_bytes: int = 0  # total_with_graph_pool_bytes + step_temporary_bytes: compared with budgets
     seconds: dict[str, float] = field(default_factory=dict)  # time spent per measurement
 
     def to_json(self) -> dict:
@@ -113,6 +122,9 @@ class MemoryReport:
             f"starts: {mb(self.activation_stored_before_backward).strip()}; held by this run's autograd at most: "
             f"{mb(self.activation_held_bytes).strip()})",
             f"  total        {mb(self.total_bytes)}",
+            f"  + step temporaries {mb(self.step_temporary_bytes).strip()} ("
+            + ", ".join(f"{name} {value / MB:.3f}" for name, value in self.step_temporaries.items())
+            + f" MB) = {mb(self.budget_total_bytes).strip()}, the figure budgets are compared with",
             *([self._replay_line()] if self.graph_pool_bytes else []),
             f"measured peak ({self.peak_source or 'not measured'})",
             f"  peak         {mb(self.peak_bytes)}   at {self.peak_location or 'n/a'}",
@@ -137,6 +149,7 @@ def profile_step(
     *,
     sparse: Mapping[str, tuple[Sequence[int], int]] | None = None,
     data: Sequence[torch.Tensor] = (),
+    owners: Sequence[object] | None = None,
     fake: bool = True,
 ) -> MemoryReport:
     """Account, count and (if ``train_step`` is given) measure one training step of ``model``.
@@ -149,6 +162,9 @@ def profile_step(
     sparse: the parameters holding sparse weights, with their dense shapes and active counts
         (``DynamicSparsity.trained_parameters()``), counted as CSR.
     data: the data set's and the minibatch's tensors, named "data" in the measured breakdown.
+    owners: the objects that hold the run (its trainer): the measured peak counts the tensors alive
+        at the start that they reach, not the caller's (``lowmem.profiler.peak``); None: every
+        tensor alive in the process.
     """
     if callable(microbatches):
         microbatches = [Microbatch(microbatches)]
@@ -163,11 +179,17 @@ def profile_step(
     )
     held_activations = pool + eager if pool else activations.activation_bytes
     flops = sum(trace.flops * count for trace, count in traces)
+    state_temporaries = step_temporaries(model, sparse, sum(m.count for m in microbatches))
+    temporaries = {
+        **state_temporaries._asdict(),
+        "largest_op": max(trace.largest_op_bytes for trace, _ in traces),
+    }
+    temporary_bytes = state_temporaries.total + temporaries["largest_op"]
     seconds["accounting_and_flops"] = time.perf_counter() - started
     peak = None
     if train_step is not None:
         started = time.perf_counter()
-        peak = measure_peak(train_step, model, optimizer, data=data)
+        peak = measure_peak(train_step, model, optimizer, data=data, owners=owners)
         seconds["measured_step"] = time.perf_counter() - started
     params = dict(model.named_parameters())
     nonzero = sum(sparse[n][1] if n in sparse else p.numel() for n, p in params.items())
@@ -180,6 +202,9 @@ def profile_step(
         total_bytes=state.model_bytes + state.optimizer_bytes + activations.activation_bytes,
         graph_pool_bytes=pool,
         total_with_graph_pool_bytes=state.model_bytes + state.optimizer_bytes + held_activations,
+        step_temporary_bytes=temporary_bytes,
+        step_temporaries=temporaries,
+        budget_total_bytes=state.model_bytes + state.optimizer_bytes + held_activations + temporary_bytes,
         peak_bytes=None if peak is None else peak.peak_bytes,
         peak_breakdown={} if peak is None else peak.breakdown,
         peak_location="" if peak is None else peak.location,

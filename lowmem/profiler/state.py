@@ -142,3 +142,56 @@ def account_state(
         optimizer_bytes += nonzeros * grad_size + held
         state_bytes += held
     return StateBytes(model_bytes, optimizer_bytes, state_bytes)
+
+
+# Compact sparse positions as stored (``lowmem.techniques.compact``): an int16 column per active
+# entry and int64 row starts, one per row of ``COMPACT_ROW`` entries of the flattened weight, plus one.
+COMPACT_COLUMN_BYTES, COMPACT_ROW_START_BYTES, COMPACT_ROW = 2, 8, 1 << 15
+# Building a dense weight expands its positions by chunks of up to 2**17 entries: int64 flat
+# indices and, while they are summed, int32 ones (compact.DENSIFY_CHUNK), bytes per entry.
+COMPACT_DENSIFY_CHUNK, COMPACT_INDEX_SCRATCH_BYTES = 1 << 17, 8 + 4
+
+
+class StepTemporaries(NamedTuple):
+    """What a real step holds beyond the report's accounting (bytes), by cause: the figure a
+    memory budget is compared with is the accounted total plus ``total``.
+
+    positions: compact sparse positions as stored (int16 columns, int64 row starts) less their CSR
+        bits the accounting counts.
+    dense_weights: the dense weight (or its gradient: one at a time) a compact sparse layer builds
+        while it computes, the largest layer's, with the index scratch that builds it.
+    accumulation: with several microbatches, the largest weight gradient computed while the
+        previous microbatches' sum is held, and the sum it makes.
+    """
+
+    positions: int = 0
+    dense_weights: int = 0
+    accumulation: int = 0
+
+    @property
+    def total(self) -> int:
+        # A compact layer's dense temporaries and the accumulation's are made in the same backward
+        # kernels: the larger of the two at once, not both.
+        return self.positions + max(self.dense_weights, self.accumulation)
+
+
+def step_temporaries(
+    model: nn.Module,
+    sparse: Mapping[str, tuple[Sequence[int], int]] | None = None,
+    microbatches: int = 1,
+) -> StepTemporaries:
+    """``StepTemporaries`` of a step of ``model`` whose weights ``sparse`` (name -> dense shape,
+    active count, as ``account_state`` takes them) are compact, cut into ``microbatches``."""
+    sparse = dict(sparse or {})
+    positions = dense = accumulation = 0
+    for name, param in model.named_parameters():
+        shape, nonzeros = sparse.get(name, (param.shape, param.numel()))
+        if name in sparse:
+            rows = max(1, -(-math.prod(shape) // COMPACT_ROW))
+            stored = nonzeros * COMPACT_COLUMN_BYTES + (rows + 1) * COMPACT_ROW_START_BYTES
+            positions += max(0, stored - csr_index_bytes(shape, nonzeros))
+            scratch = min(nonzeros, COMPACT_DENSIFY_CHUNK) * COMPACT_INDEX_SCRATCH_BYTES
+            dense = max(dense, math.prod(shape) * param.element_size() + scratch)
+        if param.requires_grad and microbatches > 1:
+            accumulation = max(accumulation, 2 * nonzeros * param.element_size())
+    return StepTemporaries(positions, dense, accumulation)

@@ -35,7 +35,13 @@ def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> Me
     sparse = trainer.sparsity.trained_parameters() if trainer.sparsity is not None else None
     step = (lambda: trainer.train_step(batch)) if measure else None
     return profile_step(
-        trainer.unwrapped_model, trainer.optimizer, microbatches, step, sparse=sparse, data=data_tensors(trainer, batch)
+        trainer.unwrapped_model,
+        trainer.optimizer,
+        microbatches,
+        step,
+        sparse=sparse,
+        data=data_tensors(trainer, batch),
+        owners=(trainer, batch),  # the run's tensors, not those of whoever profiles it
     )
 
 
