@@ -85,21 +85,22 @@ def _describe(shapes) -> str:
 
 
 def _chunks(tensor: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-    """``tensor``'s elements in flattened order, ``_CHUNK`` at a time, with the position of each
-    chunk's first element; a non-contiguous tensor is copied one slice along dim 0 at a time."""
+    """``tensor``'s elements in flattened order, about ``_CHUNK`` at a time, with the position of
+    each chunk's first element; a non-contiguous tensor is copied a few slices along dim 0 at a time."""
     tensor = tensor.detach()
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
-    if not tensor.is_contiguous() and tensor.dim() > 1:
-        offset = 0
-        for part in tensor:
-            for start, chunk in _chunks(part):
-                yield offset + start, chunk
-            offset += part.numel()
+    if tensor.is_contiguous() or tensor.dim() < 2:
+        flat = tensor.reshape(-1)
+        for start in range(0, flat.numel(), _CHUNK):
+            yield start, flat[start : start + _CHUNK]
         return
-    flat = tensor.reshape(-1)
-    for start in range(0, flat.numel(), _CHUNK):
-        yield start, flat[start : start + _CHUNK]
+    per_row = max(1, tensor[0].numel())
+    rows = max(1, _CHUNK // per_row)
+    for row in range(0, tensor.shape[0], rows):
+        part = tensor[row : row + rows].reshape(-1)  # a copy of at most ~_CHUNK elements (or one slice)
+        for start in range(0, part.numel(), _CHUNK):
+            yield row * per_row + start, part[start : start + _CHUNK]
 
 
 def _bit_hash(tensor: torch.Tensor) -> int:

@@ -420,7 +420,6 @@ class _BlockCall:
 
     def __init__(self, forward: _ChainedForward, position: int, args: tuple, kwargs: dict, x: torch.Tensor):
         self.forward, self.position = forward, position  # position: in the segment
-        self.args, self.kwargs = args, kwargs  # until forward returns: to check the arguments
         leaves, self.spec = tree_flatten((args, kwargs))
         self.is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
         self.skeleton = [None if t else leaf for t, leaf in zip(self.is_tensor, leaves, strict=True)]
@@ -441,10 +440,14 @@ class _BlockCall:
         """The tensor arguments of a call, in the order ``run`` takes them back."""
         return [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
 
-    def run(self, x: torch.Tensor, context: Sequence[torch.Tensor]) -> Any:
+    def arguments(self, context: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
+        """The call's arguments after the chained input, with ``context`` as their tensors."""
         tensors = iter(context)
         leaves = [next(tensors) if t else leaf for t, leaf in zip(self.is_tensor, self.skeleton, strict=True)]
-        args, kwargs = tree_unflatten(leaves, self.spec)
+        return tree_unflatten(leaves, self.spec)
+
+    def run(self, x: torch.Tensor, context: Sequence[torch.Tensor]) -> Any:
+        args, kwargs = self.arguments(context)
         return self.forward.plain(x, *args, **kwargs)
 
     def output_tensors(self, output: Any) -> list[torch.Tensor]:
@@ -508,17 +511,21 @@ class RecomputationMismatch(RuntimeError):
     """A checkpointed block's recomputation gave another output than its forward."""
 
 
-def _named_arguments(call: _BlockCall) -> list[tuple[str, Any]]:
-    """The non-tensor arguments of ``call`` (other than the chained input), named for a message."""
-    named = [*((f"argument {i + 1}", value) for i, value in enumerate(call.args)),
-             *((f"argument {key!r}", value) for key, value in call.kwargs.items())]  # fmt: skip
+def _named_arguments(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """The non-tensor arguments of a block call (after the chained input), named for a message."""
+    named = [*((f"argument {i + 1}", value) for i, value in enumerate(args)),
+             *((f"argument {key!r}", value) for key, value in kwargs.items())]  # fmt: skip
     return [(name, value) for name, value in named if not isinstance(value, torch.Tensor)]
 
 
-def _refuse_changed_arguments(call: _BlockCall, before: list[tuple]) -> None:
-    """Refuse a block that changed an object passed into it (``before``: the arguments' states
-    before its forward): recomputation would see the object changed."""
-    for (name, value), state in zip(_named_arguments(call), before, strict=True):
+def _run_checking_arguments(call: _BlockCall, x: torch.Tensor, context: Sequence[torch.Tensor]) -> Any:
+    """Run ``call`` (in forward), refusing a block that changes an object passed into it:
+    recomputation would see the object changed."""
+    args, kwargs = call.arguments(context)
+    named = _named_arguments(args, kwargs)
+    before = [argument_state(value) for _, value in named]
+    output = call.forward.plain(x, *args, **kwargs)
+    for (name, value), state in zip(named, before, strict=True):
         if argument_state(value) != state:
             raise ValueError(
                 f"checkpointing: block {call.name()} ({type(call.block()).__name__}) changes its {name} "
@@ -526,6 +533,7 @@ def _refuse_changed_arguments(call: _BlockCall, before: list[tuple]) -> None:
                 "cache appended to twice); don't pass it when training (e.g. use_cache=False), or leave the block "
                 "out with checkpointing.blocks=..."
             )
+    return output
 
 
 class _Runtime:
@@ -595,17 +603,15 @@ class _ChainedBlock(torch.autograd.Function):
         call.ctx = weakref.ref(ctx)
         versions = [t._version for t in (x, *context)]
         check_arguments = call.shape not in call.forward.arguments_checked
-        before = [argument_state(value) for _, value in _named_arguments(call)] if check_arguments else []
-        output = call.output_tensors(call.run(x, context))
+        run = _run_checking_arguments if check_arguments else _BlockCall.run
+        output = call.output_tensors(run(call, x, context))
         if [t._version for t in (x, *context)] != versions:
             raise ValueError(
                 f"checkpointing: block {call.name()} ({type(call.block()).__name__}) changes its input in place, "
                 "which recomputation cannot undo; checkpoint other blocks with checkpointing.blocks=..."
             )
         if check_arguments:
-            _refuse_changed_arguments(call, before)
             call.forward.arguments_checked.add(call.shape)
-        call.args = call.kwargs = None
         if call.shape not in call.forward.recomputation_checked and has_values(output):
             call.fingerprint = OutputFingerprint.of(output)
         return tuple(output)
