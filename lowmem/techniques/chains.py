@@ -4,7 +4,11 @@ A model written for lowmem declares its residual blocks (``lowmem.residual``); a
 read as it is. ``find_block_chains`` finds the chains of blocks a model runs one after another —
 torchvision ResNet's BasicBlocks across ``layer1..layer4``, MobileNet's ``features``, ViT's
 ``encoder.layers``, a GPT's ``nn.ModuleList`` of blocks called in a Python loop with a mask —
-or takes them from ``checkpointing.blocks`` (module paths, or a block class name).
+or takes them from ``checkpointing.blocks`` (module paths, or a block class name). A model with no
+such container but an ``nn.Sequential`` of plain layers (VGG's and AlexNet's ``features``) has
+that Sequential cut into *layer runs*, as ``torch.utils.checkpoint.checkpoint_sequential`` cuts
+it: each run one layer with weights and the norms and parameter-free layers after it (an in-place
+ReLU stays with the layer whose output it changes); the runs are the chain's blocks.
 ``install_chains`` then wraps each block's ``forward`` on the instance, as torch's
 ``apply_activation_checkpointing`` wraps modules, without touching the user's class, module tree,
 parameter names or state-dict keys; the model's own forward keeps calling its blocks as before.
@@ -21,15 +25,35 @@ e.g. a mask), and backward recomputes:
   inputs without a graph and holds them; each block then rebuilds its own graph from its input,
   backpropagates it and drops it.
 
+A block may return a tensor or a tuple, list, dict or ModelOutput of tensors and other values
+(T5's layers return ``(hidden, position_bias, None)``): the first tensor is the one chained to the
+next block, every tensor is an output of the autograd node (a position bias later blocks read gets
+its gradient), and the structure is returned as the block returned it.
+
 A block joins the running segment only if its input is the very tensor (same object, unchanged
 since) the previous block of the chain returned in this forward; otherwise it starts a new segment
-and saves its input. So code between blocks (``x = x * 2``), blocks skipped or called out of order
-cost memory, never correctness. Recomputation replays each block's RNG state (the same dropout
-masks) and autocast state, and sends BatchNorm running-statistic updates to scratch buffers, so
-statistics are updated exactly once per forward (SPEC §6). ``no_bn`` and the BatchNorm
-recomputation of ``residual_star`` apply to blocks whose BatchNorm-ReLU-conv triples
-``lowmem.techniques.norm_routing`` finds. A block must return one tensor and must
-not change its input in place; a block that does is refused with a clear error at its first call.
+and saves its input. So code between blocks (``x = x * 2``), an in-place op on a block's output,
+blocks skipped or called out of order cost memory, never correctness. Recomputation replays each
+block's RNG state (the same dropout masks) and autocast state, and sends BatchNorm running-statistic
+updates to scratch buffers, so statistics are updated exactly once per forward (SPEC §6). ``no_bn``
+and the BatchNorm recomputation of ``residual_star`` apply to blocks whose BatchNorm-ReLU-conv
+triples ``lowmem.techniques.norm_routing`` finds.
+
+Checkpointing cannot be silently wrong (``lowmem.techniques.block_checks``), checked once per
+block and input shape:
+
+- a block that changes its input or a context tensor in place, or an object passed into it (a
+  key/value cache it appends to: found by a bounded walk of the argument's attributes and items
+  before and after forward), is refused with a ValueError naming the block, the argument and
+  ``checkpointing.blocks``. A Hugging Face model's cache (its config's ``use_cache``) is switched
+  off while it trains with checkpointed blocks, as transformers' own gradient checkpointing does;
+  a cache the caller asks for explicitly is refused so;
+- a block's first recomputation for an input shape is compared with a fingerprint of its forward's
+  output (bitwise on CPU and under deterministic algorithms, ``trainer.deterministic``; else the
+  float64 sums within ``block_checks.RELATIVE_TOLERANCE``): a difference (a forward that depends on
+  state outside its inputs) stops the step with ``RecomputationMismatch`` naming the block and
+  ``checkpointing.blocks`` before any weight is updated. Stopping, rather than dropping the block
+  from checkpointing, because the gradients of the step already under way are wrong.
 """
 
 from __future__ import annotations
