@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import lowmem
-from lowmem.techniques.chains import installed_runners, uninstall_chains
+from lowmem.techniques.block_checks import OutputFingerprint
+from lowmem.techniques.chains import RecomputationMismatch, installed_runners, uninstall_chains
 from lowmem.techniques.checkpointing import apply_checkpointing
 
 STRATEGIES = [("residual", 1), ("residual", 3), ("residual_star", 2), ("residual_star", 4)]
@@ -84,29 +85,215 @@ def test_optimal_checkpointing_measures_blocks_with_keyword_arguments():
     run.step(x)
 
 
-def test_a_block_returning_a_tuple_is_refused_naming_the_knob():
-    class Pair(nn.Module):
+class Pair(nn.Module):
+    """A block returning a tuple: the tensor for the next block, a side tensor (needs its gradient),
+    and a non-tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.a(x)), self.b(x), "note"
+
+
+class PairModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Pair() for _ in range(3))
+
+    def forward(self, x):
+        total = 0
+        for block in self.blocks:
+            x, side, note = block(x)
+            assert note == "note"
+            total = total + side.pow(2).sum()
+        return x.sum() + total
+
+
+@pytest.mark.parametrize("strategy, every", [("residual", 3), ("residual_star", 2)])
+def test_a_block_returning_a_tuple_is_checkpointed_on_its_first_tensor(strategy, every):
+    torch.manual_seed(0)
+    model = PairModel().double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    reference = gradients(copy.deepcopy(model), x)
+    checkpointed = copy.deepcopy(model)
+    apply_checkpointing(checkpointed, strategy, every)
+    got = gradients(checkpointed, x)
+    for name, value in reference.items():
+        assert torch.equal(value, got[name]), name  # the side outputs' gradients reach blocks.*.b
+
+
+def test_a_block_returning_no_tensor_is_refused_naming_the_knob():
+    class Named(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.linear = nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.a(x), self.b(x)
+            return {"note": "no tensor"}
 
+    model = nn.Sequential(nn.Sequential(Named(), Named()))
+    apply_checkpointing(model, "residual", 2, blocks=["0"])
+    with pytest.raises(ValueError, match=r"block 0.0 \(Named\) returns dict whose first tensor is no float.*blocks="):
+        model(torch.randn(2, 4, requires_grad=True))
+
+
+class Counting(nn.Module):
+    """A block whose output depends on how often it ran: its recomputation differs from forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.linear(x) * self.calls
+
+
+class CountingModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Counting() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("strategy", ["residual", "residual_star", "optimal"])
+def test_a_recomputation_that_differs_from_forward_stops_the_step(strategy):
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    extra = ["checkpointing.budget_mb=0.0004"] if strategy == "optimal" else ["checkpointing.every=3"]
+    run = lowmem.prepare(CountingModel(), lambda m, b: m(b), x,
+                         overrides=["trainer.device=cpu", f"checkpointing.strategy={strategy}", *extra])  # fmt: skip
+    before = [p.detach().clone() for p in run.model.parameters()]
+    with pytest.raises(RecomputationMismatch, match=r"^checkpointing: block blocks\.\d \(Counting\) recomputed in "
+                       r"backward differs from its forward \(its output's bits differ\).*checkpointing\.blocks"):
+        run.step(x)
+    assert all(torch.equal(a, b) for a, b in zip(before, run.model.parameters(), strict=True))  # never trained on
+
+
+def test_recomputation_is_checked_once_per_block_and_input_shape():
+    torch.manual_seed(0)
+    model = Decoder().double()
+    apply_checkpointing(model, "residual", 2)
+    forwards = installed_runners(model)[0].forwards
+    for batch in (6, 6, 3):
+        gradients(model, torch.randn(batch, 8, dtype=torch.float64))
+    shapes = [((6, 8), torch.float64, torch.device("cpu")), ((3, 8), torch.float64, torch.device("cpu"))]
+    assert all(sorted(f.recomputation_checked, key=str) == sorted(shapes, key=str) for f in forwards)
+    assert all(f.arguments_checked == f.recomputation_checked for f in forwards)
+
+
+def test_fingerprints_compare_bits_or_sums_within_the_stated_tolerance():
+    x = torch.randn(70_000, dtype=torch.float64)  # more than one chunk
+    fingerprint = OutputFingerprint.of([x])
+    assert fingerprint.differs([x.clone()], bitwise=True) is None
+    swapped = x.clone()
+    swapped[[0, 69_999]] = swapped[[69_999, 0]]
+    assert fingerprint.differs([swapped], bitwise=True) == "its output's bits differ"
+    assert fingerprint.differs([swapped], bitwise=False) is None  # same sums: rounding-level differences pass
+    rounded = x * (1 + 1e-12)
+    assert fingerprint.differs([rounded], bitwise=True) is not None
+    assert fingerprint.differs([rounded], bitwise=False) is None
+    assert "beyond the relative tolerance" in fingerprint.differs([x * 1.01], bitwise=False)
+    assert "returned [3] float64" in fingerprint.differs([x[:3]], bitwise=False)
+    strided = torch.randn(4, 50_000).t()  # not contiguous: hashed slice by slice, in the same order
+    assert OutputFingerprint.of([strided]) == OutputFingerprint.of([strided.contiguous()])
+
+
+class Cache:
+    """A stateful object handed to every block, as transformers' key/value caches are."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.store = {"total": torch.zeros(4)}
+
+
+class CachingBlock(nn.Module):
+    def __init__(self, change: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.change = change
+
+    def forward(self, x, cache, *, extra=None):
+        if self.change == "append":
+            cache.keys.append(x.detach())
+        elif self.change == "in place":
+            cache.store["total"].add_(1)
+        elif self.change == "keyword":
+            extra["seen"] = True
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("change, argument", [("append", "argument 1"), ("in place", "argument 1"),
+                                              ("keyword", "argument 'extra'")])  # fmt: skip
+def test_a_block_changing_an_object_passed_to_it_is_refused(change, argument):
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.blocks = nn.ModuleList(Pair() for _ in range(2))
+            self.blocks = nn.ModuleList(CachingBlock(change) for _ in range(2))
 
         def forward(self, x):
+            cache, extra = Cache(), {}
             for block in self.blocks:
-                x = sum(block(x))
-            return x
+                x = block(x, cache, extra=extra)
+            return x.sum()
 
     model = Model()
     apply_checkpointing(model, "residual", 2)
-    with pytest.raises(ValueError, match=r"block blocks.0 \(Pair\) returns tuple, not one tensor.*blocks="):
+    with pytest.raises(ValueError, match=rf"block blocks.0 \(CachingBlock\) changes its {argument} \(\w+\) in forward"
+                       r".*checkpointing.blocks="):  # fmt: skip
         model(torch.randn(2, 4))
+    model.blocks[0].change = model.blocks[1].change = "none"
+    model(torch.randn(2, 4)).backward()  # reading the same objects is fine
+
+
+def test_a_plain_layer_sequential_is_checkpointed_in_layer_runs():
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=True), nn.Dropout(0.3),
+                          nn.Conv2d(8, 4, 3), nn.ReLU()),
+            nn.Flatten(), nn.Linear(4 * 2 * 2, 3)).double()  # fmt: skip
+
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    reference = gradients(net(), x)
+    for strategy, every in STRATEGIES:
+        model = net()
+        apply_checkpointing(model, strategy, every)
+        (chain,) = installed_runners(model)
+        assert chain.chain.names == ("0.0-3", "0.4-6", "0.7-8")
+        calls = []
+        model[0][7].register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        got = gradients(model, x)
+        assert len(calls) == 2, strategy  # forward and recomputation (the last run's input is never recomputed)
+        assert all(torch.equal(value, got[name]) for name, value in reference.items())
+        assert list(model.state_dict()) == list(net().state_dict())
+    uninstall_chains(model)
+    assert "forward" not in vars(model[0])
+
+
+@pytest.mark.parametrize("strategy, every", STRATEGIES)
+def test_an_in_place_op_on_a_block_output_changes_nothing(strategy, every):
+    """A block's output changed in place by the next op (ReLU(inplace=True)) is no longer the next
+    block's input as returned: that block starts a new segment, and gradients stay exact."""
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4), nn.ReLU(inplace=True),
+                             nn.Linear(4, 4), nn.Tanh()).double()  # fmt: skip
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    reference = gradients(net(), x)
+    model = net()
+    apply_checkpointing(model, strategy, every, blocks=["0", "2", "4"])
+    got = gradients(model, x)
+    assert all(torch.equal(value, got[name]) for name, value in reference.items())
 
 
 def test_a_block_changing_its_input_in_place_is_refused():

@@ -4,7 +4,11 @@ A model written for lowmem declares its residual blocks (``lowmem.residual``); a
 read as it is. ``find_block_chains`` finds the chains of blocks a model runs one after another —
 torchvision ResNet's BasicBlocks across ``layer1..layer4``, MobileNet's ``features``, ViT's
 ``encoder.layers``, a GPT's ``nn.ModuleList`` of blocks called in a Python loop with a mask —
-or takes them from ``checkpointing.blocks`` (module paths, or a block class name).
+or takes them from ``checkpointing.blocks`` (module paths, or a block class name). A model with no
+such container but an ``nn.Sequential`` of plain layers (VGG's and AlexNet's ``features``) has
+that Sequential cut into *layer runs*, as ``torch.utils.checkpoint.checkpoint_sequential`` cuts
+it: each run one layer with weights and the norms and parameter-free layers after it (an in-place
+ReLU stays with the layer whose output it changes); the runs are the chain's blocks.
 ``install_chains`` then wraps each block's ``forward`` on the instance, as torch's
 ``apply_activation_checkpointing`` wraps modules, without touching the user's class, module tree,
 parameter names or state-dict keys; the model's own forward keeps calling its blocks as before.
@@ -21,20 +25,41 @@ e.g. a mask), and backward recomputes:
   inputs without a graph and holds them; each block then rebuilds its own graph from its input,
   backpropagates it and drops it.
 
+A block may return a tensor or a tuple, list, dict or ModelOutput of tensors and other values
+(T5's layers return ``(hidden, position_bias, None)``): the first tensor is the one chained to the
+next block, every tensor is an output of the autograd node (a position bias later blocks read gets
+its gradient), and the structure is returned as the block returned it.
+
 A block joins the running segment only if its input is the very tensor (same object, unchanged
 since) the previous block of the chain returned in this forward; otherwise it starts a new segment
-and saves its input. So code between blocks (``x = x * 2``), blocks skipped or called out of order
-cost memory, never correctness. Recomputation replays each block's RNG state (the same dropout
-masks) and autocast state, and sends BatchNorm running-statistic updates to scratch buffers, so
-statistics are updated exactly once per forward (SPEC §6). ``no_bn`` and the BatchNorm
-recomputation of ``residual_star`` apply to blocks whose BatchNorm-ReLU-conv triples
-``lowmem.techniques.norm_routing`` finds. A block must return one tensor and must
-not change its input in place; a block that does is refused with a clear error at its first call.
+and saves its input. So code between blocks (``x = x * 2``), an in-place op on a block's output,
+blocks skipped or called out of order cost memory, never correctness. Recomputation replays each
+block's RNG state (the same dropout masks) and autocast state, and sends BatchNorm running-statistic
+updates to scratch buffers, so statistics are updated exactly once per forward (SPEC §6). ``no_bn``
+and the BatchNorm recomputation of ``residual_star`` apply to blocks whose BatchNorm-ReLU-conv
+triples ``lowmem.techniques.norm_routing`` finds.
+
+Checkpointing cannot be silently wrong (``lowmem.techniques.block_checks``), checked once per
+block and input shape:
+
+- a block that changes its input or a context tensor in place, or an object passed into it (a
+  key/value cache it appends to: found by a bounded walk of the argument's attributes and items
+  before and after forward), is refused with a ValueError naming the block, the argument and
+  ``checkpointing.blocks``. A Hugging Face model's cache (its config's ``use_cache``) is switched
+  off while it trains with checkpointed blocks, as transformers' own gradient checkpointing does;
+  a cache the caller asks for explicitly is refused so;
+- a block's first recomputation for an input shape is compared with a fingerprint of its forward's
+  output (bitwise on CPU and under deterministic algorithms, ``trainer.deterministic``; else the
+  float64 sums within ``block_checks.RELATIVE_TOLERANCE``): a difference (a forward that depends on
+  state outside its inputs) stops the step with ``RecomputationMismatch`` naming the block and
+  ``checkpointing.blocks`` before any weight is updated. Stopping, rather than dropping the block
+  from checkpointing, because the gradients of the step already under way are wrong.
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,13 +67,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lowmem.techniques import checkpointing as ckpt
+from lowmem.techniques.block_checks import OutputFingerprint, argument_state, has_values
 from lowmem.techniques.norm_routing import route_norm_relu_conv, routed_forward
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList)
 _RUNNERS = "_lowmem_block_chains"  # attribute of the root model: its ChainRunners
+_CACHE_SWITCHED = "_lowmem_caches_switched_off"  # attribute of the root model during a training forward
+_CACHE_LOGGED = "_lowmem_caches_off_logged"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,6 +87,7 @@ class BlockChain:
 
     names: tuple[str, ...]
     blocks: tuple[nn.Module, ...]
+    container: nn.Sequential | None = None  # a plain-layer Sequential whose layer runs are the blocks
 
     def __str__(self) -> str:
         return f"{len(self.blocks)} x {_describe(self.blocks)} ({_span(self.names)})"
@@ -69,14 +100,16 @@ def find_block_chains(model: nn.Module, blocks: Sequence[str] = ()) -> list[Bloc
     """The chains of blocks of ``model``: detected, or those ``blocks`` names (``checkpointing.blocks``:
     module paths — a container's children are its blocks — or one class name). Raises ValueError
     naming ``checkpointing.blocks`` when nothing is found."""
-    found = _named_blocks(model, blocks) if blocks else _detected_blocks(model)
-    if not found:
+    found, layer_chains = _named_blocks(model, blocks) if blocks else (_detected_blocks(model), [])
+    if not found and not blocks:
+        layer_chains = _layer_chains(model)
+    if not found and not layer_chains:
         raise ValueError(
             f"checkpointing: no chain of blocks found in {type(model).__name__} (lowmem looks for nn.Sequential / "
             "nn.ModuleList containers of composite modules); name them with checkpointing.blocks=<module path(s) or "
             f"block class name>, e.g. checkpointing.blocks=[{_example_paths(model)}]"
         )
-    return _group_by_owner(found)
+    return _group_by_owner(found) + layer_chains
 
 
 def _has_parameters(module: nn.Module) -> bool:
@@ -105,14 +138,15 @@ def _detected_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _named_blocks(model: nn.Module, names: Sequence[str]) -> list[tuple[str, nn.Module]]:
+def _named_blocks(model: nn.Module, names: Sequence[str]) -> tuple[list[tuple[str, nn.Module]], list[BlockChain]]:
+    """The blocks ``names`` names, and the chains of layer runs of the plain-layer Sequentials it names."""
     modules = dict(model.named_modules())
     classes = {type(m).__name__ for m in modules.values()}
     if len(names) == 1 and names[0] not in modules and names[0] in classes:
         matches = [(path, m) for path, m in modules.items() if type(m).__name__ == names[0] and path]
         outermost = [(p, m) for p, m in matches if not any(p.startswith(q + ".") for q, _ in matches)]
-        return outermost
-    found = []
+        return outermost, []
+    found, layer_chains = [], []
     for name in names:
         if name not in modules or not name:
             close = difflib.get_close_matches(name, [*modules, *classes], n=4)
@@ -121,11 +155,68 @@ def _named_blocks(model: nn.Module, names: Sequence[str]) -> list[tuple[str, nn.
                 f"{type(model).__name__}" + (f"; close: {', '.join(close)}" if close else "")
             )
         module = modules[name]
-        if isinstance(module, _CONTAINERS):
+        if _is_plain_layer_sequence(module):
+            layer_chains.append(_layer_chain(name, module))
+        elif isinstance(module, _CONTAINERS):
             found.extend((f"{name}.{n}", c) for n, c in module.named_children() if _has_parameters(c))
         else:
             found.append((name, module))
-    return found
+    return found, layer_chains
+
+
+# A chain of plain layers (VGG's and AlexNet's ``features``) is cut into runs, each one layer with
+# weights (a convolution, a linear layer) and the normalizations and parameter-free layers
+# (activations, pooling, dropout) after it, as torch's checkpoint_sequential cuts a Sequential:
+# an in-place activation then stays with the layer whose output it changes.
+_NORMS = (_BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+class LayerRun(nn.Sequential):
+    """Consecutive layers of a plain-layer ``nn.Sequential``, run as one block of its chain. Not part
+    of the model's module tree: it holds the model's own layers (no copy, no state-dict key)."""
+
+
+def _is_plain_layer_sequence(module: nn.Module) -> bool:
+    """An ``nn.Sequential`` of leaf layers, two or more of them with weights."""
+    layers = list(module.children())
+    return (
+        type(module) is nn.Sequential
+        and all(not any(True for _ in layer.children()) for layer in layers)
+        and sum(_starts_a_run(layer) for layer in layers) >= 2
+    )
+
+
+def _starts_a_run(layer: nn.Module) -> bool:
+    return _has_parameters(layer) and not isinstance(layer, _NORMS)
+
+
+def _layer_chains(model: nn.Module) -> list[BlockChain]:
+    """The outermost plain-layer Sequentials of ``model``, each a chain of layer runs."""
+    chains: list[BlockChain] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if _is_plain_layer_sequence(child):
+                chains.append(_layer_chain(path, child))
+            else:
+                visit(child, path)
+
+    visit(model, "")
+    return chains
+
+
+def _layer_chain(path: str, sequence: nn.Sequential) -> BlockChain:
+    """``sequence`` cut into runs: a new run at each layer with weights other than a norm (layers
+    before the first join the first run)."""
+    runs: list[list[tuple[str, nn.Module]]] = []
+    for name, layer in sequence.named_children():
+        if not runs or (_starts_a_run(layer) and any(_starts_a_run(m) for _, m in runs[-1])):
+            runs.append([])
+        runs[-1].append((name, layer))
+    names = tuple(f"{path}.{run[0][0]}" + (f"-{run[-1][0]}" if len(run) > 1 else "") for run in runs)
+    blocks = tuple(LayerRun(*(layer for _, layer in run)) for run in runs)
+    return BlockChain(names, blocks, container=sequence)
 
 
 def _group_by_owner(found: list[tuple[str, nn.Module]]) -> list[BlockChain]:
@@ -171,6 +262,9 @@ def install_chains(model: nn.Module, chains: Sequence[BlockChain]) -> list[Chain
     runners = [ChainRunner(chain) for chain in chains]
     # A plain attribute, not a submodule: no parameters, no state-dict keys.
     object.__setattr__(model, _RUNNERS, runners)
+    if _cache_configs(model):
+        model.register_forward_pre_hook(_caches_off)
+        model.register_forward_hook(_caches_restored, always_call=True)
     return runners
 
 
@@ -180,13 +274,64 @@ def uninstall_chains(model: nn.Module) -> None:
         runner.unwrap()
     if _RUNNERS in model.__dict__:
         object.__delattr__(model, _RUNNERS)
+    for hooks in (model._forward_pre_hooks, model._forward_hooks):
+        for key in [key for key, hook in hooks.items() if hook in (_caches_off, _caches_restored)]:
+            del hooks[key]
+            model._forward_hooks_always_called.pop(key, None)
+
+
+# --- caches of transformers models ------------------------------------------------------------------
+# A Hugging Face model with use_cache (the default) hands a key/value cache to every layer, which
+# appends to it in forward and would append again in recomputation: attention over doubled keys.
+# So, as transformers' own gradient_checkpointing_enable() does, the cache is off while the model
+# trains with checkpointed blocks; evaluation and generation keep the model's setting. A cache the
+# caller asks for explicitly (use_cache=True) is refused at the block (``_check_arguments``).
+
+
+def _cache_configs(model: nn.Module) -> list:
+    """The configs (each once) of ``model``'s modules that carry a ``use_cache`` flag."""
+    configs = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(getattr(config, "use_cache", None), bool):
+            configs[id(config)] = config
+    return list(configs.values())
+
+
+def _caches_off(model: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of the root model: caches off for a training forward with checkpointed blocks."""
+    runners = installed_runners(model)
+    checkpointed = any(r.plan is not None or r.observer is not None for r in runners)
+    if not (model.training and torch.is_grad_enabled() and checkpointed):
+        return
+    switched = [config for config in _cache_configs(model) if config.use_cache]
+    for config in switched:
+        config.use_cache = False
+    if switched and not model.__dict__.get(_CACHE_LOGGED):
+        object.__setattr__(model, _CACHE_LOGGED, True)
+        log.info("checkpointing: %s trains with use_cache=False (a key/value cache appended to in forward would "
+                 "be appended to again when blocks are recomputed); evaluation keeps its setting",
+                 type(model).__name__)
+    object.__setattr__(model, _CACHE_SWITCHED, switched)
+
+
+def _caches_restored(model: nn.Module, args: tuple, output: Any) -> None:
+    """Forward hook of the root model: the caches ``_caches_off`` switched off are on again."""
+    for config in model.__dict__.pop(_CACHE_SWITCHED, ()):
+        config.use_cache = True
+
+
+# --- running the blocks -----------------------------------------------------------------------------
 
 
 class _ChainedForward:
-    """The instance ``forward`` of a wrapped block: hands the call to its chain's runner."""
+    """The instance ``forward`` of a wrapped block: hands the call to its chain's runner. Remembers
+    the input shapes for which the block's arguments and its recomputation were checked."""
 
     def __init__(self, runner: ChainRunner, index: int, own: Callable | None) -> None:
         self.runner, self.index, self.own = runner, index, own
+        self.arguments_checked: set[tuple] = set()
+        self.recomputation_checked: set[tuple] = set()
 
     def plain(self, *args, **kwargs):
         block = self.runner.blocks[self.index]
@@ -199,6 +344,18 @@ class _ChainedForward:
 
     def __call__(self, *args, **kwargs):
         return self.runner.call(self.index, args, kwargs)
+
+
+class _LayerRuns:
+    """The instance ``forward`` of a plain-layer Sequential whose layer runs are a chain's blocks."""
+
+    def __init__(self, runs: Sequence[nn.Module]) -> None:
+        self.runs = list(runs)
+
+    def __call__(self, x):
+        for run in self.runs:
+            x = run(x)
+        return x
 
 
 @dataclass
@@ -223,6 +380,8 @@ class ChainRunner:
             forward = _ChainedForward(self, index, block.__dict__.get("forward"))
             block.forward = forward
             self.forwards.append(forward)
+        if chain.container is not None:
+            chain.container.forward = _LayerRuns(self.blocks)
         self.plan: list[tuple[int, ckpt.Segment]] | None = None  # per block: (segment number, segment)
         self.observer: Callable | None = None  # the planner's recorder (lowmem.planning.measure)
         self._last: _Last | None = None
@@ -233,6 +392,8 @@ class ChainRunner:
                 block.__dict__.pop("forward", None)
             else:
                 block.forward = forward.own
+        if self.chain.container is not None:
+            self.chain.container.__dict__.pop("forward", None)
 
     def set_segments(self, segments: Sequence[ckpt.Segment] | None) -> None:
         """Run the blocks in ``segments`` (covering the chain exactly), or plainly (None)."""
@@ -266,40 +427,93 @@ class ChainRunner:
             and x._version == last.version
         )
         runtime = last.runtime if chained else _Runtime(segment.backprop)
-        call = _BlockCall(forward, len(runtime.calls), args[1:], kwargs, x.device)
+        call = _BlockCall(forward, len(runtime.calls), args[1:], kwargs, x)
         runtime.calls.append(call)
         params = [p for p in self.blocks[index].parameters() if p.requires_grad]
         context = _BlockCall.tensors(args[1:], kwargs)
-        output = _ChainedBlock.apply(runtime, call, x, call.num_context, *context, *params)
-        self._last = _Last(index, number, weakref.ref(output), output._version, runtime)
-        return output
+        tensors = _ChainedBlock.apply(runtime, call, x, call.num_context, *context, *params)
+        self._last = _Last(index, number, weakref.ref(tensors[0]), tensors[0]._version, runtime)
+        return call.rebuild_output(tensors)
 
 
 class _BlockCall:
     """One block call of a checkpointed segment: how to run it again, and under which state. Its
     tensor arguments are handed to the autograd node (saved there, visible to the profiler), not
-    kept here."""
+    kept here; of its output, only the structure (which leaves are tensors) and, at the first call
+    for an input shape, a fingerprint to check the recomputation against."""
 
-    def __init__(self, forward: _ChainedForward, position: int, args: tuple, kwargs: dict, device: torch.device):
+    def __init__(self, forward: _ChainedForward, position: int, args: tuple, kwargs: dict, x: torch.Tensor):
         self.forward, self.position = forward, position  # position: in the segment
         leaves, self.spec = tree_flatten((args, kwargs))
         self.is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
         self.skeleton = [None if t else leaf for t, leaf in zip(self.is_tensor, leaves, strict=True)]
         self.num_context = sum(self.is_tensor)
         self.ctx: weakref.ref | None = None  # the autograd node's ctx, for its saved tensors
-        self.rng = ckpt._RngState(device)
-        self.autocast = ckpt._AutocastState.capture(device)
+        self.rng = ckpt._RngState(x.device)
+        self.autocast = ckpt._AutocastState.capture(x.device)
+        self.shape = (tuple(x.shape), x.dtype, x.device)  # the key of the once-per-shape checks
+        self.output_spec = None  # tree spec of the block's output
+        self.output_is_tensor: list[bool] = []  # per leaf of the output
+        self.output_skeleton: list = []  # its non-tensor leaves (None where a tensor is)
+        self.fingerprint: OutputFingerprint | None = None
+        # Recomputation must give the forward's bits where kernels are deterministic.
+        self.bitwise = x.device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
 
     @staticmethod
     def tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """The tensor arguments of a call, in the order ``run`` takes them back."""
         return [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
 
-    def run(self, x: torch.Tensor, context: Sequence[torch.Tensor]) -> Any:
+    def arguments(self, context: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
+        """The call's arguments after the chained input, with ``context`` as their tensors."""
         tensors = iter(context)
         leaves = [next(tensors) if t else leaf for t, leaf in zip(self.is_tensor, self.skeleton, strict=True)]
-        args, kwargs = tree_unflatten(leaves, self.spec)
+        return tree_unflatten(leaves, self.spec)
+
+    def run(self, x: torch.Tensor, context: Sequence[torch.Tensor]) -> Any:
+        args, kwargs = self.arguments(context)
         return self.forward.plain(x, *args, **kwargs)
+
+    def output_tensors(self, output: Any) -> list[torch.Tensor]:
+        """The tensors of the block's ``output`` (a tensor, or a tuple, list, dict or ModelOutput of
+        them and other values); at forward, its structure is recorded for ``rebuild_output``. The
+        first one must be a floating-point tensor: the one that flows to the next block."""
+        leaves, spec = tree_flatten(output)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if self.output_spec is None:
+            if not tensors or not tensors[0].is_floating_point():
+                raise ValueError(
+                    f"checkpointing: block {self.name()} ({type(self.block()).__name__}) returns "
+                    f"{type(output).__name__} whose first tensor is no floating-point tensor; checkpoint other "
+                    "blocks with checkpointing.blocks=..."
+                )
+            self.output_spec = spec
+            self.output_is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+            self.output_skeleton = [None if t else leaf for t, leaf in zip(self.output_is_tensor, leaves, strict=True)]
+        return tensors
+
+    def rebuild_output(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The block's output as the block returned it, with ``tensors`` (the autograd node's) in it."""
+        if self.output_spec.is_leaf():
+            return tensors[0]
+        given = iter(tensors)
+        pairs = zip(self.output_is_tensor, self.output_skeleton, strict=True)
+        leaves = [next(given) if is_tensor else leaf for is_tensor, leaf in pairs]
+        return tree_unflatten(leaves, self.output_spec)
+
+    def check_recomputation(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Compare a recomputed output with the forward's fingerprint (once per input shape): a
+        difference stops the run, naming the block."""
+        if self.fingerprint is None:
+            return
+        reason = self.fingerprint.differs(tensors, self.bitwise)
+        self.fingerprint = None
+        if reason is not None:
+            raise RecomputationMismatch(
+                f"checkpointing: block {self.name()} ({type(self.block()).__name__}) recomputed in backward differs "
+                f"from its forward ({reason}); leave it out of the checkpointed blocks with checkpointing.blocks=..."
+            )
+        self.forward.recomputation_checked.add(self.shape)
 
     def saved(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """The segment input (first block only) and this call's context tensors, as saved."""
@@ -317,6 +531,35 @@ class _BlockCall:
         return runner.chain.names[self.forward.index]
 
 
+class RecomputationMismatch(RuntimeError):
+    """A checkpointed block's recomputation gave another output than its forward."""
+
+
+def _named_arguments(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """The non-tensor arguments of a block call (after the chained input), named for a message."""
+    named = [*((f"argument {i + 1}", value) for i, value in enumerate(args)),
+             *((f"argument {key!r}", value) for key, value in kwargs.items())]  # fmt: skip
+    return [(name, value) for name, value in named if not isinstance(value, torch.Tensor)]
+
+
+def _run_checking_arguments(call: _BlockCall, x: torch.Tensor, context: Sequence[torch.Tensor]) -> Any:
+    """Run ``call`` (in forward), refusing a block that changes an object passed into it:
+    recomputation would see the object changed."""
+    args, kwargs = call.arguments(context)
+    named = _named_arguments(args, kwargs)
+    before = [argument_state(value) for _, value in named]
+    output = call.forward.plain(x, *args, **kwargs)
+    for (name, value), state in zip(named, before, strict=True):
+        if argument_state(value) != state:
+            raise ValueError(
+                f"checkpointing: block {call.name()} ({type(call.block()).__name__}) changes its {name} "
+                f"({type(value).__name__}) in forward, and recomputing it in backward would change it again (a "
+                "cache appended to twice); don't pass it when training (e.g. use_cache=False), or leave the block "
+                "out with checkpointing.blocks=..."
+            )
+    return output
+
+
 class _Runtime:
     """One checkpointed segment of one forward: its block calls and what backward recomputed."""
 
@@ -324,12 +567,15 @@ class _Runtime:
         self.backprop = backprop
         self.calls: list[_BlockCall] = []
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # recursively: block inputs
-        self.graphs: dict[int, tuple] = {}  # all_at_once: position -> (output edge, input leaf, context leaves)
+        self.graphs: dict[int, tuple] = {}  # all_at_once: position -> (output edges, input leaf, context leaves)
 
-    def recompute(self, call: _BlockCall, x: torch.Tensor, context: Sequence[torch.Tensor]) -> Any:
-        """Run ``call`` again as it ran in forward (RNG, autocast; BatchNorm statistics to scratch)."""
+    def recompute(self, call: _BlockCall, x: torch.Tensor, context: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Run ``call`` again as it ran in forward (RNG, autocast; BatchNorm statistics to scratch);
+        its output tensors, checked against the forward's the first time for an input shape."""
         with call.rng.replayed(), call.autocast.restore(), ckpt.scratch_running_stats(call.block().modules()):
-            return call.run(x, context)
+            tensors = call.output_tensors(call.run(x, context))
+        call.check_recomputation(tensors)
+        return tensors
 
     def input_of(self, position: int) -> torch.Tensor:
         """Block ``position``'s input, without a graph: saved (first block), held, or recomputed
@@ -340,7 +586,7 @@ class _Runtime:
         x = self.held[start][0] if start in self.held else self.calls[0].saved()[0]
         with torch.no_grad():
             for p in range(start, position):
-                x = self.recompute(self.calls[p], x, self.calls[p].saved()[1])
+                x = self.recompute(self.calls[p], x, self.calls[p].saved()[1])[0]
                 if p + 1 < position:
                     leaf, _ = ckpt._recomputation_input(x, requires_grad=True)
                     self.held[p + 1] = (x, ckpt._hold(leaf))
@@ -355,37 +601,47 @@ class _Runtime:
             leaf, alias = ckpt._recomputation_input(x, requires_grad=True if position else None)
             context = [ckpt._recomputation_input(t) for t in call.saved()[1]]
             with torch.enable_grad():
-                output = self.recompute(call, alias, [a for _, a in context])
-            self.graphs[position] = (torch.autograd.graph.get_gradient_edge(output), leaf, [c for c, _ in context])
-            x = output.detach()
-            del output
+                tensors = self.recompute(call, alias, [a for _, a in context])
+            self.graphs[position] = (_gradient_edges(tensors), leaf, [c for c, _ in context])
+            x = tensors[0].detach()
+            del tensors
+
+
+def _gradient_edges(tensors: Sequence[torch.Tensor]) -> list:
+    """Each output tensor's gradient edge (None for one without a graph): backward starts there,
+    so the recomputed outputs themselves need not be held."""
+    return [torch.autograd.graph.get_gradient_edge(t) if t.requires_grad else None for t in tensors]
 
 
 class _ChainedBlock(torch.autograd.Function):
-    """One block of a checkpointed segment: forward without autograd, backward by recomputation."""
+    """One block of a checkpointed segment: forward without autograd, backward by recomputation.
+    Its outputs are all the tensors the block returns: the one chained to the next block first,
+    the others (a position bias a later block reads) get their gradients too."""
 
     @staticmethod
     def forward(ctx, runtime, call, x, num_context, *tensors):
         ctx.runtime, ctx.call = runtime, call
+        ctx.set_materialize_grads(False)  # an output nobody used has no gradient
         context = tensors[:num_context]
         ctx.save_for_backward(*((x,) if call.position == 0 else ()), *context)
         call.ctx = weakref.ref(ctx)
-        version = x._version
-        output = call.run(x, context)
-        if not isinstance(output, torch.Tensor):
-            raise ValueError(
-                f"checkpointing: block {call.name()} ({type(call.block()).__name__}) returns "
-                f"{type(output).__name__}, not one tensor; checkpoint other blocks with checkpointing.blocks=..."
-            )
-        if x._version != version:
+        versions = [t._version for t in (x, *context)]
+        check_arguments = call.shape not in call.forward.arguments_checked
+        run = _run_checking_arguments if check_arguments else _BlockCall.run
+        output = call.output_tensors(run(call, x, context))
+        if [t._version for t in (x, *context)] != versions:
             raise ValueError(
                 f"checkpointing: block {call.name()} ({type(call.block()).__name__}) changes its input in place, "
                 "which recomputation cannot undo; checkpoint other blocks with checkpointing.blocks=..."
             )
-        return output
+        if check_arguments:
+            call.forward.arguments_checked.add(call.shape)
+        if call.shape not in call.forward.recomputation_checked and has_values(output):
+            call.fingerprint = OutputFingerprint.of(output)
+        return tuple(output)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, *grad_outputs):
         runtime, call = ctx.runtime, ctx.call
         position = call.position
         # needs_input_grad covers (runtime, call, x, num_context, *context, *params).
@@ -396,7 +652,7 @@ class _ChainedBlock(torch.autograd.Function):
         if runtime.backprop == "all_at_once":
             if position not in runtime.graphs:
                 runtime.build_graphs(position)
-            edge, leaf, context_leaves = runtime.graphs.pop(position)
+            edges, leaf, context_leaves = runtime.graphs.pop(position)
         else:
             x = runtime.input_of(position)
             leaf, alias = ckpt._recomputation_input(x, requires_grad=True)
@@ -405,17 +661,20 @@ class _ChainedBlock(torch.autograd.Function):
             context = [ckpt._recomputation_input(t) for t in saved]
             context_leaves = [c for c, _ in context]
             with torch.enable_grad():
-                output = runtime.recompute(call, alias, [a for _, a in context])
-            edge = torch.autograd.graph.get_gradient_edge(output)
-            del output, alias, context, saved
+                edges = _gradient_edges(runtime.recompute(call, alias, [a for _, a in context]))
+            del alias, context, saved
+        flowing = [(e, g) for e, g in zip(edges, grad_outputs, strict=True) if e is not None and g is not None]
         inputs = [leaf, *context_leaves, *params]
         wanted = [need_x, *needed[:num_context], *needed[num_context:]]
         chosen = [t for t, w in zip(inputs, wanted, strict=True) if w and t.requires_grad]
-        grads = iter(torch.autograd.grad([edge], chosen, [grad_output], allow_unused=True)) if chosen else iter(())
-        results = [next(grads) if w and t.requires_grad else None for t, w in zip(inputs, wanted, strict=True)]
+        grads = iter(())
+        if chosen and flowing:
+            edges, grad_outputs = zip(*flowing, strict=True)
+            grads = iter(torch.autograd.grad(list(edges), chosen, list(grad_outputs), allow_unused=True))
+        results = [next(grads, None) if w and t.requires_grad else None for t, w in zip(inputs, wanted, strict=True)]
         if need_x and results[0] is None:  # a block that ignores its input
             results[0] = torch.zeros_like(leaf)
-        del edge, leaf, context_leaves
+        del edges, leaf, context_leaves, flowing
         return (None, None, results[0], None, *results[1:])
 
 
