@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
 from lowmem.planning.schedule import BlockCosts, ChainCosts
 from lowmem.profiler import ActivationTrace, ActivationTracer
@@ -210,13 +210,20 @@ class _Recorder:
         call.keywords.append({key: _spec(item) for key, item in kwargs.items()})
         with torch.no_grad():
             output = runner.forwards[index].plain(*args, **kwargs)
+        # A block may return a tuple, list or ModelOutput (T5's layers): its first tensor is the one
+        # the next block is called on; the rest goes back as the block returned it.
+        leaves, spec = tree_flatten(output)
+        first = next((i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)), None)
+        if first is None:
+            raise ValueError(f"checkpointing: block {runner.chain.names[index]} returns no tensor")
         needs_grad = needs_grad or any(p.requires_grad for p in runner.blocks[index].parameters())
         if index + 1 < len(runner.blocks):
-            self._open, self._last = (call, needs_grad), output
+            self._open, self._last = (call, needs_grad), leaves[first]
             return output
         self._open = self._last = None
-        call.inputs.append(_TensorSpec.of(output, needs_grad))
-        return self._finish(call, output, needs_grad)
+        call.inputs.append(_TensorSpec.of(leaves[first], needs_grad))
+        leaves[first] = self._finish(call, leaves[first], needs_grad)
+        return tree_unflatten(leaves, spec)
 
 
 class _Bridge(torch.autograd.Function):
@@ -367,14 +374,17 @@ def _signature(block: nn.Module, call: _StackCall, index: int) -> tuple:
 
 
 class _WithKeywords(nn.Module):
-    """A chain's block called with its recorded keyword arguments, as one-argument-list module."""
+    """A chain's block called with its recorded keyword arguments, as one-argument-list module
+    returning the tensor that flows to the next block (the first of a tuple / ModelOutput)."""
 
     def __init__(self, block: nn.Module, keywords: dict) -> None:
         super().__init__()
         self.block, self.keywords = block, keywords
 
     def forward(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
-        return self.block(x, *args, **self.keywords)
+        output = self.block(x, *args, **self.keywords)
+        return output if isinstance(output, torch.Tensor) else next(
+            leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor))
 
 
 def _measure_block(block: nn.Module, call: _StackCall, index: int, passes: FakePasses) -> BlockCosts:
@@ -387,7 +397,7 @@ def _measure_block(block: nn.Module, call: _StackCall, index: int, passes: FakeP
             set_recompute_norm(block, segment.recompute_norm)
             x = spec.make()
             keywords = call.make_keywords(index)
-            runnable = _WithKeywords(block, keywords) if keywords else block
+            runnable = _WithKeywords(block, keywords)
             with call.autocast_context():
                 out = run_segments([runnable], x.view_as(x), call.make_context(index), (segment,))
             out.backward(torch.empty_like(out))
