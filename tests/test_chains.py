@@ -172,8 +172,8 @@ def test_a_recomputation_that_differs_from_forward_stops_the_step(strategy):
                          overrides=["trainer.device=cpu", f"checkpointing.strategy={strategy}", *extra])  # fmt: skip
     before = [p.detach().clone() for p in run.model.parameters()]
     with pytest.raises(RecomputationMismatch, match=r"^checkpointing: block blocks\.\d \(Counting\) recomputed in "
-                       r"backward differs from its forward \(its output tensor 0 sums to .*beyond the relative tolerance "
-                       r".*checkpointing\.blocks"):
+                       r"backward differs from its forward \(its output tensor 0 sums to .*beyond the relative "
+                       r"tolerance .*checkpointing\.blocks"):
         run.step(x)
     assert all(torch.equal(a, b) for a, b in zip(before, run.model.parameters(), strict=True))  # never trained on
 

@@ -166,21 +166,23 @@ def _conv_probe_error(device: str, dtype: torch.dtype) -> str | None:
 def convert_model(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
     """Cast ``model`` in place for ``policy`` and return it; state-dict keys do not change.
 
-    For fp16/bf16 every floating-point parameter and buffer becomes ``policy.param_dtype``, except
-    in the normalization layers (``NORMALIZATION_TYPES``), which stay FP32, and except the constants
-    of parameter-free modules: a floating-point buffer registered ``persistent=False`` (not in the
-    state dict: the module computes it from its configuration) in a module with no parameters
-    (itself and the modules inside it), e.g. a rotary embedding's ``inv_freq``, keeps its dtype. Rounding it would change the
-    model for good (Llama's rotary frequencies by up to 0.37%, growing with position) and make it
-    differ from itself rebuilt and reloaded, since the state dict does not carry it. The buffers of
-    modules with parameters (masks, relative-position tables, biases kept as buffers) compute with
-    those parameters and become 16-bit with them (a block's attention mask, even when the block's
-    parameters are in its children). They take the 16-bit
-    input as it is: torch's normalization kernels accept a 16-bit input with FP32 parameters,
-    compute the statistics in FP32 and return the input's dtype — so the activations they save for
-    backward stay 16-bit (casting the input to FP32 first would double that memory). Integer and
-    bool tensors (BatchNorm's ``num_batches_tracked``, sparsity masks) are untouched. fp32 and amp
-    leave the model as it is.
+    For fp16/bf16 every floating-point parameter and buffer becomes ``policy.param_dtype``, except:
+
+    - the normalization layers (``NORMALIZATION_TYPES``), which stay FP32. They take the 16-bit
+      input as it is: torch's normalization kernels accept a 16-bit input with FP32 parameters,
+      compute the statistics in FP32 and return the input's dtype — so the activations they save
+      for backward stay 16-bit (casting the input to FP32 first would double that memory);
+    - the constants of parameter-free modules: a floating-point buffer registered
+      ``persistent=False`` (not in the state dict: the module computes it from its configuration)
+      in a module with no parameters, in itself or the modules inside it, e.g. a rotary
+      embedding's ``inv_freq``. Rounding it would change the model for good (Llama's rotary
+      frequencies by up to 0.37%, growing with position) and make it differ from itself rebuilt
+      and reloaded, since the state dict does not carry it. The buffers of modules with
+      parameters (a block's attention mask, relative-position tables, biases kept as buffers)
+      compute with those parameters and become 16-bit with them.
+
+    Integer and bool tensors (BatchNorm's ``num_batches_tracked``, position ids, sparsity masks)
+    are untouched. fp32 and amp leave the model as it is.
 
     Call it before building the optimizer (its state is created in the parameters' dtype).
     """
