@@ -248,10 +248,17 @@ class Run:
             self.trainer.load_checkpoint(torch.load(saved, map_location="cpu", weights_only=True))
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything to resume from: model, optimizer, loss scaler, sparsity, counters, RNG states."""
+        """Everything to resume from: model, optimizer, loss scaler, sparsity, counters, RNG states.
+
+        Like torch's ``state_dict()``, its tensors are views of the live state, not copies (no
+        memory): they change as the run trains. Save it (``torch.save``) or copy it to keep this
+        moment; ``load_state_dict`` of it right away changes nothing."""
         return self.trainer.checkpoint_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``: of this run (its own views load safely) or of another run of the
+        same configuration, e.g. ``torch.load`` of a saved one into a fresh ``lowmem.prepare`` of a
+        freshly built model, which then continues bit-identically on CPU."""
         self.trainer.load_checkpoint(state)
 
 

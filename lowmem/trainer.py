@@ -421,7 +421,8 @@ class Trainer:
         if (checkpoint["sparsity"] is None) != (self.sparsity is None):
             raise ConfigError("trainer.resume: the checkpoint's sparsity.density differs from this run's")
         # Sparsity first: compact storage lays the weights out for the checkpoint's active counts,
-        # then the model's state dict fills in their values and positions.
+        # then the model's state dict fills in their values and positions. A layout that has them
+        # already is kept: the checkpoint may view these very buffers (run.load_state_dict(run.state_dict())).
         if self.sparsity is not None:
             self.sparsity.load_state_dict(checkpoint["sparsity"])
         with compact_state_dict_keys():

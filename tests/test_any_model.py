@@ -360,7 +360,7 @@ def test_plan_overrides_profile_within_the_budget():
          "microbatch.size=5 is not allowed: must not exceed data.batch_size=4"),
         (lambda: lowmem.prepare(tiny_gpt(), lm_loss, token_batch(), overrides=["sparsity.density=0.5",
                                                                                "sparsity.include=nothing*"]),
-         r"sparsity.include=\['nothing\*'\] matches no Conv2d, Linear or Embedding weight"),
+         r"sparsity.include=\['nothing\*'\] matches no Linear, Conv1d/2d/3d, Embedding or transformers' Conv1D weight"),
     ],
     ids=["non-scalar loss", "batch lengths", "unknown knob", "bad value", "recipe", "blocks", "no chains", "no_bn",
          "microbatch", "include"],

@@ -87,6 +87,150 @@ def test_compact_layers_equal_dense_masked_ones_forward_and_backward_bitwise():
     exact(model.proj.bias.grad, reference.proj.bias.grad)
 
 
+class MoreLayers(nn.Module):
+    """The other layers compact storage runs: an embedding, a grouped Conv1d, a strided Conv3d and
+    transformers' Conv1D (weight [in, out]) when transformers is installed (else an nn.Linear)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(13, 6, padding_idx=0)
+        self.conv1 = nn.Conv1d(6, 6, 3, padding=1, groups=2)
+        self.conv3 = nn.Conv3d(6, 4, (1, 2, 2), stride=(1, 1, 2))
+        try:
+            from transformers.pytorch_utils import Conv1D
+        except ImportError:
+            self.proj = nn.Linear(4, 5)
+        else:
+            self.proj = Conv1D(5, 4)
+            nn.init.normal_(self.proj.bias, std=0.1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv1(self.embed(tokens).transpose(1, 2)))  # [B, 6, T]
+        volume = self.conv3(h.unflatten(2, (1, 2, -1)))  # [B, 4, 1, 1, T/2 - 1]
+        return self.proj(volume.flatten(2).transpose(1, 2).contiguous())  # [B, T/2 - 1, 5]
+
+
+MORE_NAMES = ["embed.weight", "conv1.weight", "conv3.weight", "proj.weight"]
+
+
+def more_layers(storage: str) -> tuple[MoreLayers, DynamicSparsity]:
+    torch.manual_seed(0)
+    model = MoreLayers().double()
+    sparsity = DynamicSparsity(model, MORE_NAMES, 0.4, schedule=every(3), init="model", storage=storage)
+    return model, sparsity
+
+
+def tokens_of(step: int) -> torch.Tensor:
+    return torch.randint(0, 13, (3, 16), generator=torch.Generator().manual_seed(step))
+
+
+def test_conv1d_conv3d_embedding_and_transformers_conv1d_compact_equal_dense_masked_ones():
+    model, sparsity = more_layers("compact")
+    if not compact.is_transformers_conv1d(MoreLayers().proj):
+        pytest.skip("transformers is not installed")
+    assert [type(module).__name__ for module in model.children()] == [
+        "CompactEmbedding", "CompactConv1d", "CompactConv3d", "CompactConv1D"]  # fmt: skip
+    reference = compact.dense_copy(model)
+    assert type(reference.proj).__name__ == "Conv1D" and reference.proj.weight.shape == (4, 5)
+    out, expected = model(tokens_of(0)), reference(tokens_of(0))
+    exact(out, expected)  # the forward runs the layers' own kernels: bitwise
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    for name in MORE_NAMES:
+        values, positions = sparsity.compact.layer(name)
+        torch.testing.assert_close(values.grad, reference.get_parameter(name).grad.reshape(-1)[positions],
+                                   rtol=1e-13, atol=1e-15, msg=name)  # fmt: skip
+    for name in ("conv1.bias", "conv3.bias", "proj.bias"):
+        torch.testing.assert_close(model.get_parameter(name).grad, reference.get_parameter(name).grad,
+                                   rtol=1e-13, atol=1e-15, msg=name)  # fmt: skip
+
+
+def test_conv1d_conv3d_embedding_and_conv1d_one_fp64_step_compact_equals_masked():
+    weights = {}
+    for storage in ("compact", "masked"):
+        model, sparsity = more_layers(storage)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(2):
+            optimizer.zero_grad()
+            model(tokens_of(step)).square().mean().backward()
+            sparsity.mask_gradients()
+            optimizer.step()
+        weights[storage] = {name: sparsity.dense_weight(name).detach().clone() for name in MORE_NAMES}
+        weights[storage]["proj.bias"] = model.proj.bias.detach().clone()
+    for name, value in weights["compact"].items():
+        torch.testing.assert_close(value, weights["masked"][name], rtol=1e-12, atol=1e-14, msg=name)
+        assert value.count_nonzero() > 0, name
+
+
+class Tied(nn.Module):
+    """A language model whose output projection is its embedding (GPT-2's, T5's tie)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 8)
+        self.hidden = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 40, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.embed(tokens))))
+
+
+def test_a_tied_weight_is_sparsified_once_and_stays_tied_in_every_place():
+    torch.manual_seed(0)
+    model = Tied().double()
+    reference_dense = copy.deepcopy(model)
+    sparsity = DynamicSparsity(model, ["embed.weight"], 0.3, schedule=every(2), init="model")
+    assert model.head.weight_values is model.embed.weight_values
+    assert [name for name, _ in model.named_parameters()].count("embed.weight_values") == 1
+    assert len(list(model.named_parameters())) == len(list(reference_dense.named_parameters()))
+    for suffix in ("_columns", "_row_starts"):
+        assert getattr(model.head, "weight" + suffix) is getattr(model.embed, "weight" + suffix)
+    assert torch.equal(model.head.weight, model.embed.weight)
+    reference = compact.dense_copy(model)
+    assert reference.head.weight is reference.embed.weight  # the dense copy is tied too
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(4):  # two rewirings: both places follow the new positions
+        optimizer.zero_grad()
+        F.cross_entropy(model(tokens_of(step) % 40).flatten(0, 1), tokens_of(step + 1).flatten() % 40).backward()
+        optimizer.step()
+        sparsity.after_optimizer_step(optimizer, epoch=0.0)
+        for suffix in ("_columns", "_row_starts"):
+            assert getattr(model.head, "weight" + suffix) is getattr(model.embed, "weight" + suffix)
+    assert sparsity.compact.capacity == round(0.3 * 40 * 8)
+    # One gradient for both uses: the tied values gradient is the embedding's plus the projection's.
+    reference = compact.dense_copy(model)
+    tokens = tokens_of(9) % 40
+    model.zero_grad()
+    model(tokens).sum().backward()
+    reference(tokens).sum().backward()
+    values, positions = sparsity.compact.layer("embed.weight")
+    torch.testing.assert_close(values.grad, reference.embed.weight.grad.reshape(-1)[positions], rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("layer", ["linear", "conv1d", "embedding"])
+def test_a_compact_layers_output_can_be_modified_in_place_by_the_next_op(layer):
+    # F.linear returns a 3-D input's product as a view; swin_v2_t writes into its linears' outputs.
+    torch.manual_seed(0)
+    module = {"linear": nn.Linear(6, 4), "conv1d": nn.Conv1d(6, 4, 1), "embedding": nn.Embedding(6, 4)}[layer].double()
+    DynamicSparsity(module, ["weight"], 0.5, schedule=every(10), init="model")
+    reference = compact.dense_copy(module)
+    x = torch.arange(12).view(2, 6) % 6 if layer == "embedding" else torch.randn(2, 3, 6, dtype=torch.float64)
+    if layer == "conv1d":
+        x = x.transpose(1, 2)
+    outputs = []
+    for net in (module, reference):
+        out = net(x)
+        out[..., :2] = out[..., :2] * 3  # in place on the output and on a view of it
+        out.add_(1).mul_(2)
+        out.square().sum().backward()
+        outputs.append(out)
+    exact(outputs[0], outputs[1])
+    values, positions = module.weight_values, compact.flat_positions(module.weight_columns, module.weight_row_starts)
+    exact(values.grad, reference.weight.grad.reshape(-1)[positions])
+
+
 # --- the position format ---------------------------------------------------------------------------
 
 
@@ -336,12 +480,13 @@ def test_a_torch_fx_trace_through_a_compact_layer_is_refused_and_leaves_nothing_
 
 
 def test_unsupported_layers_are_refused_naming_the_knob():
-    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding="same"), nn.Conv1d(2, 2, 3))
-    for name in ("0.weight", "1.weight"):
+    def unsupported() -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(2, 2, 3, padding="same"), nn.Conv1d(2, 2, 3, padding=1, padding_mode="reflect"),
+                             nn.ConvTranspose2d(2, 2, 3))
+    for name in ("0.weight", "1.weight", "2.weight"):
         with pytest.raises(ValueError, match="sparsity.storage=masked"):
-            DynamicSparsity(model, [name], 0.5, schedule=every(10))
-        DynamicSparsity(nn.Sequential(nn.Conv2d(2, 2, 3, padding="same"), nn.Conv1d(2, 2, 3)), [name], 0.5,
-                        schedule=every(10), storage="masked")
+            DynamicSparsity(unsupported(), [name], 0.5, schedule=every(10))
+        DynamicSparsity(unsupported(), [name], 0.5, schedule=every(10), storage="masked")
 
 
 def test_a_fake_pass_makes_positions_in_one_op_and_accounts_as_the_computed_chunks_would(monkeypatch):

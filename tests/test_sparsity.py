@@ -309,6 +309,26 @@ def test_state_dict_round_trip_continues_bit_identically(storage):
 
 
 @storages
+def test_loading_the_state_dicts_own_views_changes_nothing(storage):
+    # state_dict() returns views of the live tensors (torch's convention): loading them back must not
+    # clear the buffers they view first (compact storage once zeroed every sparse weight so).
+    model = ToyNet()
+    sparsity = make_sparsity(model, period=4, seed=0, storage=storage)
+    optimizer = sgd(model)
+    for step in range(6):  # one rewiring: a layout other than the initial one
+        train_step(model, sparsity, optimizer, step)
+    expected = {key: value.clone() for key, value in model.state_dict().items()}
+    masks = sparsity.masks
+    sparsity.load_state_dict(sparsity.state_dict())
+    model.load_state_dict(model.state_dict())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    for name in SPARSE:
+        assert torch.equal(sparsity.masks[name], masks[name])
+    assert sparsity.nonzero_count() == sum(int(mask.sum()) for mask in masks.values())
+
+
+@storages
 def test_load_state_dict_rejects_other_layers_another_density_and_storage(storage):
     state = make_sparsity(ToyNet(), storage=storage).state_dict()
     layers = state["counts" if storage == "compact" else "masks"]

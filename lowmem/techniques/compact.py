@@ -28,12 +28,16 @@ layer's input (and the compact tensors, which are model state), not the dense we
 builds it again, runs the layer's backward kernels and gathers the weight gradient at the active
 positions. Positions are expanded to flat indices by chunks of active entries, so building a dense
 weight or gathering its gradient needs at most 1 MiB of index scratch beside the dense tensor.
-The layers: ``nn.Conv2d``, ``nn.Linear`` and ``nn.Embedding`` (their class gains a compact
-forward), and a bare 2-D parameter that the model applies with ``linear(module, name, x)`` (a
-decoder's output projection, say). The state-dict keys change (``conv.weight`` becomes
-``conv.weight_values`` + ``conv.weight_columns`` + ``conv.weight_row_starts``); ``dense_state_dict``
-gives the plain form. A state dict of the former layout (int32 flat ``<name>_positions``) still
-loads: it is converted on load.
+The layers: ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding`` and transformers' ``Conv1D``
+(GPT-2's linear layers, weight [in, out]; recognised by class name, transformers is never imported)
+— their class gains a compact forward, whose output is a tensor of its own that the next op may
+modify in place — and a bare 2-D parameter that the model applies with ``linear(module, name, x)``
+(a decoder's output projection, say). A weight tied between modules stays tied: one values
+parameter and one set of positions, held by every module that used the dense weight.
+
+The state-dict keys change (``conv.weight`` becomes ``conv.weight_values`` + ``conv.weight_columns``
++ ``conv.weight_row_starts``); ``dense_state_dict`` gives the plain form. A state dict of the former
+layout (int32 flat ``<name>_positions``) still loads: it is converted on load.
 """
 
 from __future__ import annotations
@@ -201,8 +205,19 @@ def _dtype_for(grad: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dtype == grad.dtype else tensor.to(grad.dtype)
 
 
-def conv2d_backward(
-    conv: nn.Conv2d,
+def _own_tensor(output: torch.Tensor) -> torch.Tensor:
+    """A compact layer's ``output`` as a tensor of its own, not a view, in the same memory (no copy):
+    the next op may then modify it in place (``x[..., :2] = ...``, ``x.add_(...)``), which autograd
+    refuses on a view that a custom Function returned. ``F.linear`` on an input of 3 or more dims
+    returns its 2-D product reshaped as a view (swin_v2_t writes into it)."""
+    return torch.ops.aten._unsafe_view(output, output.shape) if output._is_view() else output
+
+
+_CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}  # by number of spatial dims
+
+
+def conv_backward(
+    conv: nn.Conv1d | nn.Conv2d | nn.Conv3d,
     grad_output: torch.Tensor,
     x: torch.Tensor,
     trained: torch.Tensor,
@@ -214,7 +229,7 @@ def conv2d_backward(
     compact weight is built for the input gradient only and dropped before the weight gradient,
     computed from the input alone (as ``torch.nn.grad.conv2d_weight`` does), is gathered: one
     dense weight-sized tensor at a time, never two."""
-    args = (conv.stride, conv.padding, conv.dilation, False, [0, 0], conv.groups)
+    args = (conv.stride, conv.padding, conv.dilation, False, [0] * len(conv.stride), conv.groups)
     x = _dtype_for(grad_output, x)
     need_x, need_weight, need_bias = wanted
     if not is_compact(conv, "weight"):
@@ -237,28 +252,41 @@ def conv2d_backward(
     return grad_x, grad_values, grad_bias
 
 
-class _CompactConv2d(torch.autograd.Function):
+conv2d_backward = conv_backward  # the name the no_bn checkpointing strategy imports
+
+
+class _CompactConvolution(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, values, columns, row_starts, bias, conv):
         ctx.conv, ctx.bias_shape = conv, None if bias is None else bias.shape
         ctx.save_for_backward(x, values, columns, row_starts)
         weight = densify(values, columns, row_starts, conv.compact_shape("weight"))
-        return F.conv2d(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+        convolve = _CONVOLUTIONS[len(conv.stride)]
+        return _own_tensor(convolve(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups))
 
     @staticmethod
     def backward(ctx, grad_output):
         x, values, _, _ = ctx.saved_tensors
         wanted = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4])
-        grad_x, grad_values, grad_bias = conv2d_backward(ctx.conv, grad_output, x, values, ctx.bias_shape, wanted)
+        grad_x, grad_values, grad_bias = conv_backward(ctx.conv, grad_output, x, values, ctx.bias_shape, wanted)
         return grad_x, grad_values, None, None, grad_bias, None
 
 
 class _CompactLinear(torch.autograd.Function):
+    """``x @ W.T + bias`` with W of ``shape`` [out, in] (``nn.Linear``) or, ``transposed``,
+    ``x @ W + bias`` with W [in, out] (transformers' ``Conv1D``), computed as that layer's own
+    forward does (one addmm over the input flattened to 2-D)."""
+
     @staticmethod
-    def forward(ctx, x, values, columns, row_starts, bias, shape):
-        ctx.shape = shape
+    def forward(ctx, x, values, columns, row_starts, bias, shape, transposed):
+        ctx.shape, ctx.transposed = shape, transposed
         ctx.save_for_backward(x, values, columns, row_starts)
-        return F.linear(x, densify(values, columns, row_starts, shape), bias)
+        weight = densify(values, columns, row_starts, shape)
+        if not transposed:
+            return _own_tensor(F.linear(x, weight, bias))
+        x_2d = x.reshape(-1, x.shape[-1])
+        out = x_2d.mm(weight) if bias is None else torch.addmm(bias, x_2d, weight)
+        return _own_tensor(out.view(*x.shape[:-1], shape[1]))
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -267,14 +295,15 @@ class _CompactLinear(torch.autograd.Function):
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         if ctx.needs_input_grad[0]:
             weight = _dtype_for(grad_output, densify(values, columns, row_starts, ctx.shape))
-            grad_x = grad_output.matmul(weight)
+            grad_x = grad_output.matmul(weight.t() if ctx.transposed else weight)
             del weight
         if ctx.needs_input_grad[1]:
             x_2d = _dtype_for(grad_output, x).reshape(-1, x.shape[-1])
-            grad_values = gather(grad_2d.t().mm(x_2d), columns, row_starts, values.dtype)
+            grad_weight = x_2d.t().mm(grad_2d) if ctx.transposed else grad_2d.t().mm(x_2d)
+            grad_values = gather(grad_weight, columns, row_starts, values.dtype)
         if ctx.needs_input_grad[4]:
             grad_bias = grad_2d.sum(0)
-        return grad_x, grad_values, None, None, grad_bias, None
+        return grad_x, grad_values, None, None, grad_bias, None, None
 
 
 class _CompactEmbedding(torch.autograd.Function):
@@ -284,7 +313,7 @@ class _CompactEmbedding(torch.autograd.Function):
         ctx.save_for_backward(tokens, values, columns, row_starts)
         weight = densify(values, columns, row_starts, embedding.compact_shape("weight"))
         padding_idx = -1 if embedding.padding_idx is None else embedding.padding_idx
-        return torch.ops.aten.embedding(weight, tokens, padding_idx, embedding.scale_grad_by_freq, False)
+        return _own_tensor(torch.ops.aten.embedding(weight, tokens, padding_idx, embedding.scale_grad_by_freq, False))
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -311,7 +340,7 @@ def linear(module: nn.Module, name: str, x: torch.Tensor, bias: torch.Tensor | N
     if not is_compact(module, name):
         return F.linear(x, getattr(module, name), bias)
     shape = module._compact_shapes[name]
-    return _CompactLinear.apply(_untraced(x), _values(module, name), *_index(module, name), bias, shape)
+    return _CompactLinear.apply(_untraced(x), _values(module, name), *_index(module, name), bias, shape, False)
 
 
 class _CompactModule:
@@ -325,15 +354,27 @@ class _CompactModule:
         return dense_weight(self, "weight")
 
 
-class CompactConv2d(_CompactModule, nn.Conv2d):
+class _CompactConvolutionModule(_CompactModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _CompactConv2d.apply(_untraced(x), self.weight_values, *_index(self, "weight"), self.bias, self)
+        return _CompactConvolution.apply(_untraced(x), self.weight_values, *_index(self, "weight"), self.bias, self)
+
+
+class CompactConv1d(_CompactConvolutionModule, nn.Conv1d):
+    pass
+
+
+class CompactConv2d(_CompactConvolutionModule, nn.Conv2d):
+    pass
+
+
+class CompactConv3d(_CompactConvolutionModule, nn.Conv3d):
+    pass
 
 
 class CompactLinear(_CompactModule, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.compact_shape("weight")
-        return _CompactLinear.apply(_untraced(x), self.weight_values, *_index(self, "weight"), self.bias, shape)
+        return _CompactLinear.apply(_untraced(x), self.weight_values, *_index(self, "weight"), self.bias, shape, False)
 
 
 class CompactEmbedding(_CompactModule, nn.Embedding):
@@ -341,27 +382,69 @@ class CompactEmbedding(_CompactModule, nn.Embedding):
         return _CompactEmbedding.apply(_untraced(tokens), self.weight_values, *_index(self, "weight"), self)
 
 
-_COMPACT_CLASSES = {nn.Conv2d: CompactConv2d, nn.Linear: CompactLinear, nn.Embedding: CompactEmbedding}
+class _CompactTransposedLinear(_CompactModule):
+    """The compact forward of transformers' ``Conv1D``; ``_compact_class`` makes the class, a
+    subclass of the model's own ``Conv1D`` (lowmem does not import transformers)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = self.compact_shape("weight")
+        return _CompactLinear.apply(_untraced(x), self.weight_values, *_index(self, "weight"), self.bias, shape, True)
+
+
+_COMPACT_CLASSES: dict[type, type] = {
+    nn.Conv1d: CompactConv1d,
+    nn.Conv2d: CompactConv2d,
+    nn.Conv3d: CompactConv3d,
+    nn.Linear: CompactLinear,
+    nn.Embedding: CompactEmbedding,
+}
 _DENSE_CLASSES = {compact: dense for dense, compact in _COMPACT_CLASSES.items()}
+_CONVOLUTION_CLASSES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def is_transformers_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D`` (``transformers.pytorch_utils``, GPT-2's layers):
+    a linear layer whose weight is [in, out], y = x @ W + b. Recognised by its class's name and
+    module, so that lowmem never imports transformers."""
+    kind = type(module)
+    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers")
+
+
+def _compact_class(module: nn.Module) -> type | None:
+    """The class whose forward runs ``module`` with a compact weight (``None``: no such class)."""
+    kind = type(module)
+    if kind not in _COMPACT_CLASSES and is_transformers_conv1d(module):
+        compact = type("CompactConv1D", (_CompactTransposedLinear, kind), {"__module__": __name__})
+        _COMPACT_CLASSES[kind], _DENSE_CLASSES[compact] = compact, kind
+    return _COMPACT_CLASSES.get(kind)
+
+
+def has_compact_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s ``weight`` can be held compact and run by a compact forward: exactly
+    ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding`` and transformers' ``Conv1D`` (not their
+    subclasses, whose forward may do more)."""
+    return _compact_class(module) is not None and isinstance(getattr(module, "weight", None), torch.Tensor)
 
 
 def check_compactable(module: nn.Module, name: str, qualified: str) -> None:
     """Raise ValueError (naming the weight) unless compact storage can hold and run ``module.<name>``."""
-    kind = type(module)
-    if name == "weight" and kind in _COMPACT_CLASSES:
+    layer = _compact_class(module) is not None
+    if name == "weight" and layer:
         problem = None
-        if kind is nn.Conv2d and (module.padding_mode != "zeros" or isinstance(module.padding, str)):
-            problem = "a Conv2d with numeric zero padding"
-        if kind is nn.Embedding and (module.max_norm is not None or module.sparse):
+        if isinstance(module, _CONVOLUTION_CLASSES) and (
+            module.padding_mode != "zeros" or isinstance(module.padding, str)
+        ):
+            problem = f"an {type(module).__name__} with numeric zero padding"
+        if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
             problem = "an Embedding without max_norm and sparse=False"
         if problem is None:
             return
         raise ValueError(f"sparsity.storage=compact: {qualified} must be {problem}; use sparsity.storage=masked")
-    if kind in _COMPACT_CLASSES or getattr(module, name).dim() != 2:
+    if layer or getattr(module, name).dim() != 2:
         raise ValueError(
-            f"sparsity.storage=compact holds the weights of nn.Conv2d, nn.Linear and nn.Embedding, and 2-D "
-            f"parameters that the model applies with lowmem.techniques.compact.linear; {qualified} is neither "
-            "(use sparsity.storage=masked)"
+            f"sparsity.storage=compact holds the weights of nn.Linear, nn.Conv1d/2d/3d, nn.Embedding and "
+            f"transformers' Conv1D, and 2-D parameters that the model applies with "
+            f"lowmem.techniques.compact.linear; {qualified} is neither (use sparsity.storage=masked)"
         )
 
 
@@ -374,11 +457,17 @@ class CompactWeights:
     ``names`` are parameter names of ``model`` (``conv1.weight``, ``decoder.embed_out``); ``masks``
     says which entries are active (bool, the weights' shapes). Construction moves the active values
     of each weight into the buffers and removes the dense weights from the model.
+
+    A weight that several modules share (a tied embedding and output projection: GPT-2's
+    ``transformer.wte.weight`` is ``lm_head.weight``) stays shared: every module holding it gets the
+    one values parameter and the same positions, so it is sparsified once and trained once.
     """
 
     def __init__(self, model: nn.Module, names: Sequence[str], masks: Mapping[str, torch.Tensor]) -> None:
         self.names = list(names)
         self._owners = {name: _owner(model, name) for name in self.names}
+        # The other (module, attribute) places that hold the same parameter, by weight.
+        self._tied = {name: _tied_places(model, *self._owners[name]) for name in self.names}
         dense = {name: getattr(module, attr) for name, (module, attr) in self._owners.items()}
         dtypes = {w.dtype for w in dense.values()}
         devices = {w.device for w in dense.values()}
@@ -389,6 +478,8 @@ class CompactWeights:
             )
         for name, (module, attr) in self._owners.items():
             check_compactable(module, attr, name)
+            for qualified, tied_module, tied_attr in self._tied[name]:
+                check_compactable(tied_module, tied_attr, f"{qualified} (tied to {name})")
         positions = {name: masks[name].flatten().nonzero().squeeze(1) for name in self.names}
         self.capacity = sum(p.numel() for p in positions.values())
         (dtype,), (device,) = dtypes, devices
@@ -401,6 +492,8 @@ class CompactWeights:
             layers = {name: (positions[name], dense[name].flatten()[positions[name]]) for name in self.names}
             for name, (module, attr) in self._owners.items():
                 _install(module, attr, dense[name].shape)
+                for _, tied_module, tied_attr in self._tied[name]:
+                    _install(tied_module, tied_attr, dense[name].shape, _values(module, attr))
             self._store(layers)
 
     # ------------------------------------------------------------------------------------ layers
@@ -460,9 +553,10 @@ class CompactWeights:
         for index, (name, (_, row_starts)) in enumerate(zip(self.names, encoded, strict=True)):
             count, rows = layers[name][0].numel(), row_starts.numel()
             module, attr = self._owners[name]
-            getattr(module, attr + _VALUES).data = self.values[start : start + count]
-            module._buffers[attr + _COLUMNS] = self.columns[start : start + count]
-            module._buffers[attr + _ROW_STARTS] = self.row_starts[row : row + rows]
+            getattr(module, attr + _VALUES).data = self.values[start : start + count]  # tied places share it
+            columns, row_starts = self.columns[start : start + count], self.row_starts[row : row + rows]
+            for place, place_attr in [(module, attr)] + [(m, a) for _, m, a in self._tied[name]]:
+                place._buffers[place_attr + _COLUMNS], place._buffers[place_attr + _ROW_STARTS] = columns, row_starts
             self.counts[index] = count
             start += count
             row += rows
@@ -490,20 +584,34 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(prefix) if prefix else model), attr
 
 
-def _install(module: nn.Module, attr: str, shape: torch.Size) -> None:
-    """Replace ``module.<attr>`` (a dense parameter) by an (empty, for now) compact triple."""
+def _tied_places(model: nn.Module, module: nn.Module, attr: str) -> list[tuple[str, nn.Module, str]]:
+    """(qualified name, module, attribute) of every other place in ``model`` that holds the parameter
+    ``module.<attr>`` (tied weights)."""
+    weight = module._parameters[attr]
+    return [
+        (f"{prefix}.{name}" if prefix else name, other, name)
+        for prefix, other in model.named_modules()
+        for name, param in other._parameters.items()
+        if param is weight and (other, name) != (module, attr)
+    ]
+
+
+def _install(module: nn.Module, attr: str, shape: torch.Size, values: nn.Parameter | None = None) -> None:
+    """Replace ``module.<attr>`` (a dense parameter) by an (empty, for now) compact triple; ``values``:
+    the values parameter of the place this weight is tied to (``None``: a new one)."""
     dense = module._parameters[attr]
     shapes = dict(getattr(module, _SHAPES, {}))
     shapes[attr] = torch.Size(shape)
     object.__setattr__(module, _SHAPES, shapes)
-    values = nn.Parameter(dense.new_empty(0), requires_grad=dense.requires_grad)
+    if values is None:
+        values = nn.Parameter(dense.new_empty(0), requires_grad=dense.requires_grad)
     _replace_in_order(module._parameters, attr, attr + _VALUES, values)  # state-dict keys keep their order
     module.register_buffer(attr + _COLUMNS, torch.empty(0, dtype=torch.int16, device=dense.device))
     module.register_buffer(attr + _ROW_STARTS, torch.empty(0, dtype=torch.int64, device=dense.device))
     if not getattr(module, "_lowmem_converts_flat_positions", False):
         module.register_load_state_dict_pre_hook(_load_flat_positions)
         object.__setattr__(module, "_lowmem_converts_flat_positions", True)
-    compact_class = _COMPACT_CLASSES.get(type(module))
+    compact_class = _compact_class(module)
     if attr == "weight" and compact_class is not None:
         module.__class__ = compact_class
 
@@ -514,8 +622,8 @@ def _replace_in_order(table: dict, old: str, new: str, value: object) -> None:
     table.update(items)
 
 
-def _uninstall(module: nn.Module, attr: str, weight: torch.Tensor) -> None:
-    _replace_in_order(module._parameters, attr + _VALUES, attr, nn.Parameter(weight))
+def _uninstall(module: nn.Module, attr: str, weight: nn.Parameter) -> None:
+    _replace_in_order(module._parameters, attr + _VALUES, attr, weight)
     for suffix in _INDEX:
         del module._buffers[attr + suffix]
     shapes = dict(getattr(module, _SHAPES))
@@ -583,8 +691,12 @@ def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def dense_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` in which every compact weight is a plain dense parameter again."""
     clone = copy.deepcopy(model)
+    dense: dict[int, nn.Parameter] = {}  # by values parameter: tied places get the one dense parameter
     for _, module, attr in list(compact_modules(clone)):
-        _uninstall(module, attr, dense_weight(module, attr).clone())
+        values = _values(module, attr)
+        if id(values) not in dense:
+            dense[id(values)] = nn.Parameter(dense_weight(module, attr).clone(), requires_grad=values.requires_grad)
+        _uninstall(module, attr, dense[id(values)])
     return clone
 
 

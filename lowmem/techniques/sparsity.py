@@ -449,7 +449,11 @@ class DynamicSparsity:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()`` output. Compact storage: this lays the weights out for the saved
-        active counts; load the model's state dict afterwards (it holds the values and positions)."""
+        active counts; load the model's state dict afterwards (it holds the values and positions).
+
+        A layout that already has the saved counts is left as it is, so the model's state dict loads
+        into the very buffers it may view: ``state_dict()`` returns views of the live tensors (torch's
+        convention), and loading a run's own state must not clear them first."""
         storage = state.get("storage", "masked")
         if storage != self.storage:
             raise ValueError(f"sparsity checkpoint uses sparsity.storage={storage}; this run uses {self.storage}")
@@ -466,14 +470,15 @@ class DynamicSparsity:
                     f"sparsity checkpoint holds {total:,} active weights, this model holds {self.compact.capacity:,} "
                     f"(sparsity.density={self.density}): resume with the checkpoint's sparsity.density"
                 )
-            device = self.compact.columns.device
-            self.compact.relayout(
-                {
-                    name: (torch.zeros(int(saved[name]), dtype=torch.int32, device=device),
-                           self.compact.values.new_zeros(int(saved[name])))
-                    for name in self._names
-                }
-            )
+            counts = [int(saved[name]) for name in self._names]
+            if counts != self.compact.counts:  # placeholders of the saved sizes, filled by the model's load
+                positions = self.compact.columns.new_zeros((), dtype=torch.int32)
+                self.compact.relayout(
+                    {
+                        name: (positions.expand(count), self.compact.values.new_zeros(count))
+                        for name, count in zip(self._names, counts, strict=True)
+                    }
+                )
         else:
             for name in self._names:
                 mask = saved[name]
