@@ -28,7 +28,7 @@ import lowmem
 from lowmem.api import split_examples
 from lowmem.config import ConfigError
 from lowmem.planning.optimal import BudgetTooSmall
-from lowmem.residual import residual_stacks
+from lowmem.residual import routes_norm_relu_conv
 from lowmem.techniques.chains import installed_runners
 from lowmem.techniques.compact import compact_modules
 from tests.conformance_models import ConformanceModel, conformance_models
@@ -41,7 +41,7 @@ SGD = ["optim.name=sgd", f"optim.lr={LR}", "optim.momentum=0", "optim.nesterov=f
        "trainer.device=cpu"]
 ADAM = ["optim.name=adam", "optim.lr=1e-3", "trainer.device=cpu"]
 TOLERANCE = 1e-10
-REFUSABLE = {"no_bn", "microbatch simulated"}  # the techniques a model may lack the structure for
+REFUSABLE = {"no_bn", "no_bn sparse", "microbatch simulated"}  # the techniques a model may lack the structure for
 KNOB = re.compile(r"\b(checkpointing|sparsity|precision|microbatch|optim)\.[a-z_]+")
 
 
@@ -60,6 +60,7 @@ CASES = (
          "equal"),
     Case("checkpointing optimal", ("checkpointing.strategy=optimal",), "equal"),
     Case("no_bn", ("checkpointing.strategy=no_bn",), "equal"),
+    Case("no_bn sparse", ("checkpointing.strategy=no_bn", "sparsity.density=0.3"), "equal"),
     Case("microbatch true", ("microbatch.size=2",), "equal", microbatch=2),
     Case("sparsity 0.3", ("sparsity.density=0.3",), "equal"),
     Case("combination in fp64", ("sparsity.density=0.3", "microbatch.size=2", "checkpointing.strategy=residual_star",
@@ -121,8 +122,11 @@ def check_equal(model: ConformanceModel, case: Case) -> str:
             if key not in masks and start[other].data_ptr() == tensor.data_ptr():
                 masks[key] = mask
     if any(knob.startswith("checkpointing.") for knob in case.overrides):
-        assert any(runner.plan is not None for runner in installed_runners(run.model)) or residual_stacks(
-            run.model), "nothing is checkpointed"
+        runners = installed_runners(run.model)
+        if "checkpointing.strategy=no_bn" in case.overrides:  # stored segments, BatchNorm-ReLU recomputed
+            assert any(routes_norm_relu_conv(block) for runner in runners for block in runner.blocks), "no triple"
+        else:
+            assert any(runner.plan is not None for runner in runners), "nothing is checkpointed"
     record = run.step(_fp64(model.batch()))
     want_loss, want = plain_step(model, start, masks, case.microbatch)
     got = run.model.state_dict()

@@ -5,7 +5,8 @@ The built-in recipes' blocks compute every ``conv(relu(norm(x)))`` through
 (``lowmem.techniques.checkpointing.recomputed_norm_relu_conv``). Any other block — torchvision's
 ResNet blocks, MobileNet's inverted residuals — can be read the same way: ``route_norm_relu_conv``
 traces the block's forward with ``torch.fx`` and finds each BatchNorm module whose only user is a
-ReLU (module or function) whose only user is an ``nn.Conv2d``. The block then runs its traced
+ReLU (module or function) whose only user is an ``nn.Conv2d``, dense or compact sparse (a
+compact layer is a leaf of the trace: its forward is called, never traced). The block then runs its traced
 graph (``torch.fx.Interpreter``, on the block's own modules: no copy, no new parameters, no
 generated code), computing each such triple through ``norm_relu_conv``; everything else runs as
 traced. A block that cannot be traced (data-dependent control flow), has no such triple, or is
@@ -22,6 +23,7 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lowmem.residual import norm_relu_conv, routes_norm_relu_conv
+from lowmem.techniques.compact import CompactConv2d, compact_names
 
 _ROUTED = "_lowmem_routed_graph"  # instance attribute of a routed block: its _RoutedForward
 _RELU_FUNCTIONS = (F.relu, torch.relu, torch.relu_)
@@ -33,7 +35,7 @@ def route_norm_relu_conv(block: nn.Module) -> bool:
     if routes_norm_relu_conv(block):
         return True
     try:
-        graph = fx.Tracer().trace(block)
+        graph = _LeafCompactTracer().trace(block)
     except Exception:  # noqa: BLE001 - any tracing failure means: run the block as it is
         return False
     modules = dict(block.named_modules())
@@ -61,8 +63,21 @@ def routed_forward(block: nn.Module) -> _RoutedForward | None:
     return block.__dict__.get(_ROUTED)
 
 
+class _LeafCompactTracer(fx.Tracer):
+    """torch.fx's tracer, with compact sparse layers as leaves: their forward (whose positions change
+    at each rewiring) is called, never traced."""
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return bool(compact_names(module)) or super().is_leaf_module(module, qualified_name)
+
+
 def _conv_takes_recomputed_input(module: nn.Module | None) -> bool:
-    return type(module) is nn.Conv2d and module.padding_mode == "zeros" and not isinstance(module.padding, str)
+    """A plain 2-D convolution, dense or compact sparse (``recomputed_norm_relu_conv`` takes either)."""
+    return (
+        type(module) in (nn.Conv2d, CompactConv2d)
+        and module.padding_mode == "zeros"
+        and not isinstance(module.padding, str)
+    )
 
 
 def _is_relu(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
