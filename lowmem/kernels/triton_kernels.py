@@ -44,12 +44,16 @@ def _random24(key, offsets):
 @triton.jit
 def _to_16(value, BF16: tl.constexpr):
     """Round-to-nearest-even into FP16 or BF16 (BF16 by its bits, as torch rounds, on every backend)."""
+    # One return statement: Triton's compiler reads a `return` under an `if BF16:` and the one after it
+    # as two returns of the function (bf16 and fp16: "Return type mismatch").
     if BF16:
         bits = value.to(tl.uint32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return value.to(tl.float16)
+        narrow = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        narrow = value.to(tl.float16)
+    return narrow
 
 
 @triton.jit
@@ -320,20 +324,23 @@ def _store_any(pointer, offsets, mask, value, key, STOCHASTIC: tl.constexpr, WEI
 
 @triton.jit
 def _read_codes(codes, offsets, mask, BITS: tl.constexpr):
-    if BITS == 8:
-        return tl.load(codes + offsets, mask=mask, other=0).to(tl.int32)
-    byte = tl.load(codes + (offsets >> 1), mask=mask, other=0).to(tl.int32)
-    return (byte >> ((offsets & 1) * 4).to(tl.int32)) & 15
+    if BITS == 8:  # one return statement, as in _to_16
+        code = tl.load(codes + offsets, mask=mask, other=0).to(tl.int32)
+    else:
+        byte = tl.load(codes + (offsets >> 1), mask=mask, other=0).to(tl.int32)
+        code = (byte >> ((offsets & 1) * 4).to(tl.int32)) & 15
+    return code
 
 
 @triton.jit
 def _find_code(x, mids, BITS: tl.constexpr):
     """The number of midpoints below x: a binary search, as the C kernel's."""
     code = tl.zeros(x.shape, dtype=tl.int32)
+    # Steps of 2**(BITS-1-i), written out: a `step: tl.constexpr = ...` in the unrolled loop is refused
+    # by Triton's compiler from its second iteration on ("constexpr cannot be reassigned").
     for i in tl.static_range(BITS):
-        step: tl.constexpr = 1 << (BITS - 1 - i)
-        middle = tl.load(mids + code + (step - 1))
-        code = tl.where(middle < x, code + step, code)
+        middle = tl.load(mids + code + ((1 << (BITS - 1 - i)) - 1))
+        code = tl.where(middle < x, code + (1 << (BITS - 1 - i)), code)
     return code
 
 
