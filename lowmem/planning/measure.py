@@ -382,9 +382,14 @@ class _WithKeywords(nn.Module):
         self.block, self.keywords = block, keywords
 
     def forward(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
-        output = self.block(x, *args, **self.keywords)
-        return output if isinstance(output, torch.Tensor) else next(
-            leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor))
+        return _chained_tensor(self.block(x, *args, **self.keywords))
+
+
+def _chained_tensor(output: Any) -> torch.Tensor:
+    """The tensor of a block's output that flows to the next block (the first of a tuple / ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    return next(leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor))
 
 
 def _measure_block(block: nn.Module, call: _StackCall, index: int, passes: FakePasses) -> BlockCosts:
@@ -397,9 +402,10 @@ def _measure_block(block: nn.Module, call: _StackCall, index: int, passes: FakeP
             set_recompute_norm(block, segment.recompute_norm)
             x = spec.make()
             keywords = call.make_keywords(index)
-            runnable = _WithKeywords(block, keywords)
+            runnable = _WithKeywords(block, keywords) if keywords else block
             with call.autocast_context():
                 out = run_segments([runnable], x.view_as(x), call.make_context(index), (segment,))
+            out = _chained_tensor(out)
             out.backward(torch.empty_like(out))
 
         return step
