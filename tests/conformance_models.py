@@ -28,6 +28,7 @@ class ConformanceModel:
     loss: Callable[[nn.Module, Any], torch.Tensor]
     batch: Callable[[], Any]
     has_batchnorm: bool = False
+    norm_relu_conv: bool = False  # has BatchNorm -> ReLU -> Conv2d sequences (``no_bn`` applies)
 
 
 def _seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -117,7 +118,8 @@ def _timm() -> list[ConformanceModel]:
                                                  drop_path_rate=0.0, **kwargs))
 
     return [
-        ConformanceModel("resnet10t", "timm", create("resnet10t"), classify, _images(), has_batchnorm=True),
+        ConformanceModel("resnet10t", "timm", create("resnet10t"), classify, _images(), has_batchnorm=True,
+                         norm_relu_conv=True),
         ConformanceModel("vit_tiny", "timm", create("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=3),
                          classify, _images()),
         # ConvNeXt-Atto's blocks at a quarter of its depth and width (its 7x7 depthwise convolutions are

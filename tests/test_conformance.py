@@ -185,3 +185,5 @@ def test_technique_on_library_model(model: ConformanceModel, case: Case) -> None
         assert case.name in REFUSABLE, f"{case.name} on {model.name}: {outcome}"
         if case.name == "microbatch simulated":
             assert not model.has_batchnorm, outcome
+        else:
+            assert not model.norm_relu_conv, outcome

@@ -5,7 +5,8 @@ The built-in recipes' blocks compute every ``conv(relu(norm(x)))`` through
 (``lowmem.techniques.checkpointing.recomputed_norm_relu_conv``). Any other block — torchvision's
 ResNet blocks, MobileNet's inverted residuals — can be read the same way: ``route_norm_relu_conv``
 traces the block's forward with ``torch.fx`` and finds each BatchNorm module whose only user is a
-ReLU (module or function) whose only user is an ``nn.Conv2d``, dense or compact sparse (a
+ReLU (module or function) whose only user is an ``nn.Conv2d``, dense or compact sparse, past
+``nn.Identity`` modules between them (a
 compact layer is a leaf of the trace: its forward is called, never traced). The block then runs its traced
 graph (``torch.fx.Interpreter``, on the block's own modules: no copy, no new parameters, no
 generated code), computing each such triple through ``norm_relu_conv``; everything else runs as
@@ -43,10 +44,10 @@ def route_norm_relu_conv(block: nn.Module) -> bool:
     for node in graph.nodes:
         if node.op != "call_module" or not _conv_takes_recomputed_input(modules.get(node.target)):
             continue
-        relu = node.args[0] if node.args else None
+        relu = _through_identities(node.args[0] if node.args else None, modules)
         if not isinstance(relu, fx.Node) or len(relu.users) != 1 or not _is_relu(relu, modules):
             continue
-        norm = relu.args[0] if relu.args else None
+        norm = _through_identities(relu.args[0] if relu.args else None, modules)
         if not isinstance(norm, fx.Node) or len(norm.users) != 1 or norm.op != "call_module":
             continue
         if isinstance(modules.get(norm.target), _BatchNorm) and len(node.args) == 1 and not node.kwargs:
@@ -78,6 +79,21 @@ def _conv_takes_recomputed_input(module: nn.Module | None) -> bool:
         and module.padding_mode == "zeros"
         and not isinstance(module.padding, str)
     )
+
+
+def _through_identities(node: object, modules: dict[str, nn.Module]) -> object:
+    """The node feeding ``node`` past ``nn.Identity`` modules used once (timm's BasicBlock has a
+    disabled DropBlock and anti-aliasing between its BatchNorm, ReLU and convolution): they hand
+    their input on, so the triple is still one computation."""
+    while (
+        isinstance(node, fx.Node)
+        and node.op == "call_module"
+        and type(modules.get(node.target)) is nn.Identity
+        and len(node.users) == 1
+        and node.args
+    ):
+        node = node.args[0]
+    return node
 
 
 def _is_relu(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
