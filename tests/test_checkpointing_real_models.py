@@ -164,3 +164,19 @@ def test_torchvision_plain_layer_chains_step_as_plain(name, size, strategy):
     assert len(calls) == 2  # forward, and recomputation in backward: checkpointed
     want = plain_step(model, classification_loss, (batch[0].double(), batch[1]))
     assert_same_weights(run.model.state_dict(), want, exact=True)  # BatchNorm statistics included
+
+
+def test_a_models_own_composite_children_are_its_chain_when_it_has_no_container_of_blocks():
+    """Inception v3 calls its blocks as attributes (Conv2d_1a_3x3 .. Mixed_7c), in no container."""
+    from lowmem.techniques.chains import find_block_chains
+    from tests.conformance_models import ConformanceModel, _images, _seeded, classify
+    from tests.test_conformance import Case, conformance
+
+    def build() -> nn.Module:
+        return torchvision.models.inception_v3(num_classes=10, aux_logits=False, init_weights=True, dropout=0.0)
+
+    (chain,) = find_block_chains(build())
+    assert chain.names[0] == "Conv2d_1a_3x3" and chain.names[-1] == "Mixed_7c" and len(chain.names) == 16
+    model = ConformanceModel("inception_v3", "torchvision", _seeded(build), classify, _images(2, 75))
+    case = Case("residual_star", ("checkpointing.strategy=residual_star", "checkpointing.every=2"), "equal")
+    assert conformance(model, case).startswith("equal")

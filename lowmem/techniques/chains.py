@@ -103,6 +103,8 @@ def find_block_chains(model: nn.Module, blocks: Sequence[str] = ()) -> list[Bloc
     found, layer_chains = _named_blocks(model, blocks) if blocks else (_detected_blocks(model), [])
     if not found and not blocks:
         layer_chains = _layer_chains(model)
+    if not found and not layer_chains and not blocks:
+        found = _root_blocks(model)
     if not found and not layer_chains:
         raise ValueError(
             f"checkpointing: no chain of blocks found in {type(model).__name__} (lowmem looks for nn.Sequential / "
@@ -136,6 +138,15 @@ def _detected_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
     visit(model, "")
     return found
+
+
+def _root_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The last resort: the model's own composite children (Inception v3's ``Conv2d_1a_3x3`` ..
+    ``Mixed_7c``, attributes its forward calls one after another) when it has two or more. A child
+    its forward does not call on the previous one's output (an auxiliary head) starts a new segment
+    that stores its input: memory, never correctness."""
+    children = [(name, child) for name, child in model.named_children() if _is_composite(child)]
+    return children if len(children) >= 2 else []
 
 
 def _named_blocks(model: nn.Module, names: Sequence[str]) -> tuple[list[tuple[str, nn.Module]], list[BlockChain]]:
