@@ -7,7 +7,8 @@ with density 0.3, ``precision`` (default bf16), microbatches of 2 of a batch of 
 ``residual_star`` every 2, measuring one real step (``profile.measure_peak=true``). A model that
 refuses the data's 32x32 images names ``data.image_size`` and the smallest size that works: it is
 run again at that size. Prints (and writes) a Markdown table: the model, the image size, and either
-the accounted total and measured peak, or the one-line refusal; a crash (a traceback, or no JSON
+the accounted total (the report's definition), the total with the step's temporaries (what a budget
+is compared with) and the measured peak, or the one-line refusal; a crash (a traceback, or no JSON
 line) is reported as such and makes the exit status 1.
 """
 
@@ -90,7 +91,9 @@ def main() -> int:
                 output, row, more = profile(arch, args.precision, size)
                 seconds += more
         if row is not None:
-            outcome = (f"works: accounted {row['total_bytes'] / 1e6:.1f} MB, measured peak "
+            budget = row.get("budget_total_bytes")
+            with_temporaries = f", with the step's temporaries {budget / 1e6:.1f} MB" if budget else ""
+            outcome = (f"works: accounted {row['total_bytes'] / 1e6:.1f} MB{with_temporaries}, measured peak "
                        f"{row['peak_bytes'] / 1e6:.1f} MB")
         else:
             message = refusal(output)
