@@ -262,7 +262,7 @@ def wrn_plan():
     # The budget holds the step's temporaries too (gradient accumulation at microbatch 2).
     budget += Planner([*TINY_WRN, "precision=fp32"], budget).temporary_bytes(1.0, "fp32", 2)
     planner = Planner([*TINY_WRN, "precision=fp32", "optim.state_bits=null", f"plan.budget_mb={budget / MB}"], budget)
-    return planner, planner.search(top=6), budget
+    return planner, planner.search(top=12), budget
 
 
 def test_planner_follows_the_preference_and_fits(wrn_plan):

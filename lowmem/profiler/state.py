@@ -170,9 +170,10 @@ class StepTemporaries(NamedTuple):
 
     @property
     def total(self) -> int:
-        # A compact layer's dense temporaries and the accumulation's are made in the same backward
-        # kernels: the larger of the two at once, not both.
-        return self.positions + max(self.dense_weights, self.accumulation)
+        # Both at once: a compact layer's dense weight gradient is made while the previous
+        # microbatches' sum and this one's gradient are held (measured: torchvision resnet18,
+        # density 0.3, microbatches of 2, peak in a compact convolution's backward).
+        return self.positions + self.dense_weights + self.accumulation
 
 
 def step_temporaries(
