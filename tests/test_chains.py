@@ -55,15 +55,18 @@ def gradients(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return {**{n: p.grad.clone() for n, p in model.named_parameters()}, **dict(model.named_buffers())}
 
 
+def plain_and_checkpointed_gradients(model: nn.Module, x: torch.Tensor, strategy: str, every: int):
+    """``gradients`` of a copy of ``model`` as it is, and of a copy checkpointed with ``strategy``."""
+    checkpointed = copy.deepcopy(model)
+    apply_checkpointing(checkpointed, strategy, every)
+    return gradients(copy.deepcopy(model), x), gradients(checkpointed, x)
+
+
 @pytest.mark.parametrize("strategy, every", STRATEGIES)
 def test_keyword_arguments_and_context_gradients_are_exact(strategy, every):
     torch.manual_seed(0)
-    model = Decoder().double()
-    x = torch.randn(6, 8, dtype=torch.float64)
-    reference = gradients(copy.deepcopy(model), x)
-    checkpointed = copy.deepcopy(model)
-    apply_checkpointing(checkpointed, strategy, every)
-    got = gradients(checkpointed, x)
+    reference, got = plain_and_checkpointed_gradients(Decoder().double(), torch.randn(6, 8, dtype=torch.float64),
+                                                      strategy, every)  # fmt: skip
     assert reference.keys() == got.keys()
     for name, value in reference.items():
         assert torch.equal(value, got[name]), name  # the encoder's gradient arrives through the memory
@@ -114,12 +117,8 @@ class PairModel(nn.Module):
 @pytest.mark.parametrize("strategy, every", [("residual", 3), ("residual_star", 2)])
 def test_a_block_returning_a_tuple_is_checkpointed_on_its_first_tensor(strategy, every):
     torch.manual_seed(0)
-    model = PairModel().double()
-    x = torch.randn(5, 4, dtype=torch.float64)
-    reference = gradients(copy.deepcopy(model), x)
-    checkpointed = copy.deepcopy(model)
-    apply_checkpointing(checkpointed, strategy, every)
-    got = gradients(checkpointed, x)
+    reference, got = plain_and_checkpointed_gradients(PairModel().double(), torch.randn(5, 4, dtype=torch.float64),
+                                                      strategy, every)  # fmt: skip
     for name, value in reference.items():
         assert torch.equal(value, got[name]), name  # the side outputs' gradients reach blocks.*.b
 

@@ -78,6 +78,7 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList)
 _RUNNERS = "_lowmem_block_chains"  # attribute of the root model: its ChainRunners
 _CACHE_SWITCHED = "_lowmem_caches_switched_off"  # attribute of the root model during a training forward
 _CACHE_LOGGED = "_lowmem_caches_off_logged"
+_CACHE_CONFIGS = "_lowmem_cache_configs"  # attribute of the root model: its configs with use_cache
 log = logging.getLogger(__name__)
 
 
@@ -273,7 +274,10 @@ def install_chains(model: nn.Module, chains: Sequence[BlockChain]) -> list[Chain
     runners = [ChainRunner(chain) for chain in chains]
     # A plain attribute, not a submodule: no parameters, no state-dict keys.
     object.__setattr__(model, _RUNNERS, runners)
-    if _cache_configs(model):
+    configs = _cache_configs(model)
+    if configs:
+        # Found once here, not at every forward: the hook runs in the training step.
+        object.__setattr__(model, _CACHE_CONFIGS, configs)
         model.register_forward_pre_hook(_caches_off)
         model.register_forward_hook(_caches_restored, always_call=True)
     return runners
@@ -283,8 +287,8 @@ def uninstall_chains(model: nn.Module) -> None:
     """Give every wrapped block its own forward back."""
     for runner in installed_runners(model):
         runner.unwrap()
-    if _RUNNERS in model.__dict__:
-        object.__delattr__(model, _RUNNERS)
+    for attribute in (_RUNNERS, _CACHE_CONFIGS):
+        model.__dict__.pop(attribute, None)
     for hooks in (model._forward_pre_hooks, model._forward_hooks):
         for key in [key for key, hook in hooks.items() if hook in (_caches_off, _caches_restored)]:
             del hooks[key]
@@ -315,7 +319,7 @@ def _caches_off(model: nn.Module, args: tuple) -> None:
     checkpointed = any(r.plan is not None or r.observer is not None for r in runners)
     if not (model.training and torch.is_grad_enabled() and checkpointed):
         return
-    switched = [config for config in _cache_configs(model) if config.use_cache]
+    switched = [config for config in model.__dict__.get(_CACHE_CONFIGS, ()) if config.use_cache]
     for config in switched:
         config.use_cache = False
     if switched and not model.__dict__.get(_CACHE_LOGGED):
