@@ -43,7 +43,6 @@ from lowmem.config import ConfigError, validate
 from lowmem.planning.search import compose_config
 from lowmem.recipe import RecipeData, TechniqueDefaults
 from lowmem.techniques.compact import use_dense_keys
-from lowmem.techniques.precision import fast_cpu_half_kernels
 from lowmem.techniques.sparsity import DC_SCHEDULE, RewireSchedule
 from lowmem.techniques.targets import default_sparse_weights
 
@@ -222,8 +221,7 @@ class Run:
         "skipped": bool, "lr": float}`` (``lr`` when the step was applied; ``rewiring`` when DSR rewired)."""
         trainer = self.trainer
         batch = to_training(batch, trainer.device, trainer.policy.input_dtype)
-        with fast_cpu_half_kernels(trainer.policy, trainer.device):
-            record = trainer.train_step(batch)
+        record = trainer.train_step(batch)
         trainer.state.step += 1
         trainer.state.batch_in_epoch += 1
         return record

@@ -22,6 +22,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from lowmem.libraries import WORKSPACES
+from lowmem.techniques.cpu_compute import CPU_COMPUTE
 from lowmem.techniques.precision import PRECISIONS
 from lowmem.techniques.replay import CUDA_GRAPHS
 
@@ -81,6 +82,9 @@ class PrecisionConfig:
     stochastic_rounding: bool = False  # fp16/bf16: stochastic rounding of the weight write-back
     init_scale: float = 65536.0  # fp16: initial dynamic loss scale
     growth_interval: int = 2000  # fp16: clean steps before the loss scale doubles
+    # auto | native | fp32: 16-bit convolutions and matrix products on a CPU in its native 16-bit
+    # kernels or in FP32 (rounded once); auto probes which is faster (lowmem.techniques.cpu_compute)
+    cpu_compute: str = "auto"
 
 
 @dataclass
@@ -343,6 +347,12 @@ def validate(cfg: DictConfig | Config) -> None:
         "precision",
         cfg.precision.name,
         f"one of {', '.join(PRECISIONS)}",
+    )
+    _require(
+        cfg.precision.cpu_compute in CPU_COMPUTE,
+        "precision.cpu_compute",
+        cfg.precision.cpu_compute,
+        f"one of {', '.join(CPU_COMPUTE)}",
     )
     if cfg.microbatch.size is not None:
         _require(

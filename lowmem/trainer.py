@@ -7,6 +7,7 @@ optimizer step and rewiring, in that order; ``Trainer.fit`` loops, evaluates, lo
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import logging
@@ -47,13 +48,14 @@ from lowmem.signals import Interrupted, StopOnSignal
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.compact import compact_state_dict_keys, dense_copy, dense_state_dict
 from lowmem.techniques.convolutions import tune_convolutions
+from lowmem.techniques.cpu_compute import compute_context, summary
+from lowmem.techniques.cpu_compute import describe as describe_cpu_compute
 from lowmem.techniques.microbatch import apply_simulated_microbatching, no_sync_except_last
 from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
 from lowmem.techniques.precision import (
     PrecisionPolicy,
     autocast_context,
     convert_model,
-    fast_cpu_half_kernels,
     make_loss_scaler,
     make_policy,
 )
@@ -190,8 +192,22 @@ class Trainer:
         """The first training minibatch (what the profiler measures)."""
         return next(iter(self.data.train.epoch(0)))
 
+    def arithmetic(self) -> contextlib.AbstractContextManager:
+        """Where this run's 16-bit convolutions and matrix products are computed on a CPU: natively
+        or in FP32 (``precision.cpu_compute``, ``lowmem.techniques.cpu_compute``). Entered inside
+        any memory tracker, which so counts the FP32 temporaries."""
+        return compute_context(self.policy.cpu_compute, self.policy.sixteen_bit, self.device)
+
+    def cpu_compute_record(self) -> dict[str, Any]:
+        """``precision.cpu_compute`` and what it chose per kind of op (result.json, profile JSON)."""
+        return describe_cpu_compute(self.policy.cpu_compute, self.policy.sixteen_bit, self.device)
+
     def train_step(self, batch: Any) -> dict[str, Any]:
         """Forward/backward over all microbatches of ``batch``, then one (possibly skipped) update."""
+        with self.arithmetic():
+            return self._train_step(batch)
+
+    def _train_step(self, batch: Any) -> dict[str, Any]:
         self.model.train()
         # Gradients start at None, or at zero in place when microbatches are replayed (captures
         # accumulate into those very tensors; the optimizer consumes them in place).
@@ -251,7 +267,7 @@ class Trainer:
                 progress.start_epoch(state.epoch, len(train), state.batch_in_epoch)
                 started = time.perf_counter()
                 for batch in train.epoch(state.epoch, state.batch_in_epoch):
-                    with fast_cpu_half_kernels(self.policy, self.device), peak.track("step", batch):
+                    with peak.track("step", batch):
                         record = self.train_step(batch)
                     state.step += 1
                     state.batch_in_epoch += 1
@@ -271,7 +287,7 @@ class Trainer:
                         raise Interrupted(signum, state.step, run_dir / CHECKPOINT)
                 state.train_seconds += time.perf_counter() - started
                 epoch_finished = state.batch_in_epoch >= len(train)
-                with fast_cpu_half_kernels(self.policy, self.device), peak.track("evaluation"):
+                with peak.track("evaluation"):
                     evaluation = self.evaluate()
                 metric = evaluation[self.recipe.primary_metric]
                 state.best_metric = metric if state.best_metric is None else self._better(state.best_metric, metric)
@@ -317,7 +333,7 @@ class Trainer:
             final_evaluation = getattr(self.recipe, "final_evaluation", None)
             if final_evaluation is not None and rank0:
                 self.model.eval()
-                with autocast_context(self.policy, self.device):
+                with self.arithmetic(), autocast_context(self.policy, self.device):
                     # A dense copy: the snapshots are plain dense state dicts, averaged across masks.
                     dense_model = dense_copy(self.unwrapped_model)
                     keep = getattr(self.recipe, "average_last", 0)
@@ -359,7 +375,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
-        with autocast_context(self.policy, self.device):
+        with self.arithmetic(), autocast_context(self.policy, self.device):
             return self.recipe.evaluate(self.unwrapped_model, self.data.test)
 
     def result(self, peak_bytes: int | None) -> dict[str, Any]:
@@ -374,6 +390,7 @@ class Trainer:
             "wall_s": round(state.train_seconds, 3),
             "peak_bytes": peak_bytes,
             "lr_mult": self.lr_mult,
+            "cpu_compute": self.cpu_compute_record(),
             "config": OmegaConf.to_container(self.config, resolve=True),
             "provenance": provenance(self.device),
         }
@@ -624,6 +641,7 @@ def start_run(cfg: DictConfig) -> tuple[torch.device, PrecisionPolicy]:
             stochastic_rounding=cfg.precision.stochastic_rounding,
             init_scale=cfg.precision.init_scale,
             growth_interval=cfg.precision.growth_interval,
+            cpu_compute=cfg.precision.cpu_compute,
         )
     return device, policy
 
@@ -701,7 +719,7 @@ def apply_techniques(
     if distributed.is_rank0():
         log.info(
             "recipe %s on %s | %s | density %.3g, lr x%g, rewire fraction x%g, frequency x%g | "
-            "precision %s | microbatch %s (%s) | checkpointing %s every %d",
+            "precision %s (cpu compute %s) | microbatch %s (%s) | checkpointing %s every %d",
             recipe.name,
             device,
             data.description if data else "no data",
@@ -710,6 +728,7 @@ def apply_techniques(
             sparsity.fraction_mult if sparsity else defaults.rewire_fraction_mult,
             sparsity.freq_mult if sparsity else defaults.rewire_freq_mult,
             policy.name,
+            summary(trainer.cpu_compute_record()),
             cfg.microbatch.size,
             microbatch_mode(cfg),
             cfg.checkpointing.strategy,

@@ -32,7 +32,6 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from lowmem.profiler.activations import storage_key
-from lowmem.techniques.precision import CpuHalfConvolutionBackward
 
 # Categories of the breakdown, in display order:
 # - data: the data set resident on the device and the minibatch being trained on;
@@ -333,23 +332,22 @@ def measure_peak(
     *,
     data: Iterable[torch.Tensor] = (),
     owners: Iterable[object] | None = None,
-    fp32_conv_backward_on_cpu: bool = True,
+    arithmetic: contextlib.AbstractContextManager | None = None,
 ) -> PeakMeasurement:
     """Run ``train_step`` once for real and measure its memory peak on the model's device.
 
     The step runs for real: it updates the weights and every other piece of training state.
     data: the data set's and the minibatch's tensors (the breakdown's "data").
     owners: the objects whose tensors are the run's (``AllocationTracker``); None: every tensor alive.
-    fp32_conv_backward_on_cpu: see ``lowmem.techniques.precision.CpuHalfConvolutionBackward`` (no effect
-        on CUDA or in FP32).
+    arithmetic: a context the step runs in, inside the tracker (which so counts what it creates),
+        e.g. ``lowmem.techniques.cpu_compute.compute_context`` for a plain 16-bit step on a CPU.
+        A trainer's ``train_step`` enters its own.
     """
     device = next(model.parameters()).device if model is not None else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    emulation = CpuHalfConvolutionBackward() if fp32_conv_backward_on_cpu and device.type == "cpu" \
-        else contextlib.nullcontext()
-    with emulation, track_peak(model, optimizer, device, data, owners) as tracker:
+    with track_peak(model, optimizer, device, data, owners) as tracker, arithmetic or contextlib.nullcontext():
         train_step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -73,6 +73,7 @@ def profile_row(trainer: Any, measure: bool) -> tuple[MemoryReport, dict[str, An
         **report.to_json(),
         "batch_shapes": batch_shapes(batch),
         "device": str(trainer.device),
+        "cpu_compute": trainer.cpu_compute_record(),
         "torch": torch.__version__,
     }
     return report, row

@@ -29,6 +29,9 @@ Build order and one training step (the same code for every precision)::
         optimizer.step(grad_scale=scaler.scale)
     scaler.update(found)
 
+On a CPU, ``precision.cpu_compute`` (``lowmem.techniques.cpu_compute``) computes the 16-bit
+convolutions and matrix products in FP32 where the CPU's native 16-bit kernels are slow.
+
 A skipped step leaves weights and optimizer state untouched; it is not an applied step (the
 sparsity technique must not count it).
 """
@@ -45,7 +48,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from lowmem.techniques.cpu_compute import check_setting
 
 PRECISIONS = ("fp32", "fp16", "bf16", "amp", "fp64")
 
@@ -86,6 +90,13 @@ class PrecisionPolicy:
     device_type: str
     init_scale: float = 2.0**16
     growth_interval: int = 2000
+    cpu_compute: str = "auto"  # precision.cpu_compute: see lowmem.techniques.cpu_compute
+
+    @property
+    def sixteen_bit(self) -> torch.dtype | None:
+        """The 16-bit dtype this precision computes in (weights' or autocast's), or None."""
+        dtype = self.autocast_dtype or self.param_dtype
+        return dtype if dtype in _SIXTEEN_BIT else None
 
 
 def make_policy(
@@ -95,15 +106,18 @@ def make_policy(
     stochastic_rounding: bool = False,
     init_scale: float = 2.0**16,
     growth_interval: int = 2000,
+    cpu_compute: str = "auto",
 ) -> PrecisionPolicy:
     """The policy for ``precision=name`` on ``device``.
 
     Raises ``ValueError`` for an unknown name, for stochastic rounding without 16-bit weights, and
     when the device cannot run the precision (BF16 on a CUDA GPU without native BF16, or a probe
-    convolution in the needed dtype failing there). FP16 on CPU is allowed; it is slow.
+    convolution in the needed dtype failing there), and for a ``cpu_compute`` not in
+    ``CPU_COMPUTE``. 16-bit on a CPU runs at FP32's speed or better under ``cpu_compute``.
     """
     if name not in PRECISIONS:
         raise ValueError(f"precision={name!r} is not one of {', '.join(PRECISIONS)}")
+    check_setting(cpu_compute)
     device = torch.device(device)
     compute_dtype = {
         "fp32": torch.float32,
@@ -132,6 +146,7 @@ def make_policy(
         device_type=device.type,
         init_scale=init_scale,
         growth_interval=growth_interval,
+        cpu_compute=cpu_compute,
     )
 
 
@@ -448,33 +463,3 @@ def make_loss_scaler(
         min_scale=min_scale,
         enabled=policy.uses_loss_scaling,
     )
-
-
-class CpuHalfConvolutionBackward(TorchDispatchMode):
-    """Compute FP16 ``convolution_backward`` on CPU in FP32 and round the results to FP16.
-
-    Torch's CPU FP16 convolution backward is a reference kernel (~75 s for one WRN-28-2 backward
-    at batch 10, against ~0.5 s in FP32), which makes FP16 training on a CPU impractical. FP32
-    accumulation with one rounding to FP16 is what GPU FP16 convolutions (cuDNN) do anyway, so the
-    stored tensors (gradients in FP16) and the arithmetic match a GPU run; only the CPU kernel
-    differs. A memory tracker entered *inside* this mode sees the native op and its FP16 outputs.
-    """
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten.convolution_backward.default and _is_cpu_half(args[0]):
-            grad_output, inputs, weight = (t.float() for t in args[:3])
-            grads = func(grad_output, inputs, weight, *args[3:], **kwargs)
-            return tuple(None if g is None else g.to(args[0].dtype) for g in grads)
-        return func(*args, **kwargs)
-
-
-def _is_cpu_half(tensor: torch.Tensor) -> bool:
-    return tensor.dtype == torch.float16 and tensor.device.type == "cpu"
-
-
-def fast_cpu_half_kernels(policy: PrecisionPolicy, device: torch.device) -> contextlib.AbstractContextManager:
-    """``CpuHalfConvolutionBackward`` for pure FP16 on a CPU, else nothing."""
-    if policy.param_dtype == torch.float16 and torch.device(device).type == "cpu":
-        return CpuHalfConvolutionBackward()
-    return contextlib.nullcontext()

@@ -1,0 +1,269 @@
+"""FP32 arithmetic for 16-bit operands on a CPU: ``precision.cpu_compute=auto|native|fp32``.
+
+Most CPUs have no fast BF16 or FP16 kernels (those without AVX-512-BF16 or AMX; FP16 convolution
+backward is slow even on most with them): PyTorch falls back to reference kernels there, 20-60x
+slower than FP32. A GPU computes a 16-bit convolution or matrix product with FP32 accumulation and
+rounds the result once; computing the same 16-bit operands in FP32 and rounding the result once is
+that arithmetic, at FP32's speed.
+
+``Fp32Arithmetic`` (a ``TorchDispatchMode``) does it for the compute-heavy ops — convolution forward
+and backward, the matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ... which ``linear``,
+``matmul`` and ``einsum`` become) and CPU scaled-dot-product attention forward and backward — in
+forward, recomputation and backward alike. What is stored stays 16-bit: autograd saves the op's
+16-bit operands (it records above this mode), and every result is rounded to the operands' dtype
+before anything keeps it. The FP32 copies are temporaries of one op, freed when it returns; a
+memory tracker entered outside the mode counts them.
+
+``cpu_compute``:
+- ``native``: the 16-bit kernels as PyTorch has them;
+- ``fp32``: every op above in FP32 from its 16-bit operands;
+- ``auto`` (default): per kind of op (``KINDS``) and dtype, by a probe timed once per process (a
+  few milliseconds, ``probe_choices``): native only where it is clearly faster than FP32 on the
+  probe (``NATIVE_MUST_WIN``), else FP32. Native kernels range from twice FP32's speed (AMX) to
+  200 times slower (FP16 convolution backward on AVX-512), and per op from 0.6x to 1.5x FP32's
+  time on the same CPU (AVX-512-BF16 without AMX: a whole WRN-28-2 step natively 1.4x slower);
+  the FP32 path runs at FP32's speed wherever it runs.
+On CUDA, or for FP32/FP64 operands, nothing changes.
+
+Each op's FP32 copies are fresh allocations of up to a few tens of MB. By default glibc serves
+such sizes by ``mmap`` or returns freed memory at the top of its heap to the system, so each
+copy's pages are faulted in anew: a WRN-28-2 BF16 step took 1.2-1.3x the FP32 step that way, and
+equal time without. So where FP32 is chosen, ``reuse_freed_memory`` sets, once per process,
+glibc's mmap threshold to its maximum (32 MiB) and its trim threshold to 1 GiB: freed memory stays
+in the heap for the next op, as PyTorch's CUDA allocator keeps it cached. The peak is the same;
+the process's resident memory stays at its high-water mark (up to 1 GiB more). Not where the
+user's environment sets ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_``, and not
+without glibc.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+log = logging.getLogger(__name__)
+
+CPU_COMPUTE = ("auto", "native", "fp32")
+
+# The kinds of op a choice is made for; the probe times one of each.
+KINDS = ("convolution", "convolution_backward", "matmul")
+
+_aten = torch.ops.aten
+_KIND_OF = {
+    _aten.convolution.default: "convolution",
+    _aten.convolution_backward.default: "convolution_backward",
+    **dict.fromkeys(
+        (
+            _aten.mm.default,
+            _aten.addmm.default,
+            _aten.bmm.default,
+            _aten.baddbmm.default,
+            _aten.addbmm.default,
+            _aten.mv.default,
+            _aten.addmv.default,
+            _aten.dot.default,
+            _aten._scaled_dot_product_flash_attention_for_cpu.default,
+            _aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        ),
+        "matmul",
+    ),
+}
+# Outputs that the native op returns in FP32 whatever its operands (attention's log-sum-exp).
+_FP32_OUTPUTS = {_aten._scaled_dot_product_flash_attention_for_cpu.default: {1}}
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+# ``auto`` keeps a native kernel only where the FP32 path takes this many times its time on the probe.
+NATIVE_MUST_WIN = 1.25
+
+
+class Fp32Arithmetic(TorchDispatchMode):
+    """Compute the ops of ``kinds`` whose operands are 16-bit CPU tensors in FP32 and round each
+    result once to the operands' dtype (the FP32 op applied to the upcast operands, then ``.to``)."""
+
+    def __init__(self, kinds: frozenset[str] | set[str] = frozenset(KINDS)) -> None:
+        super().__init__()
+        unknown = set(kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown kinds of op {sorted(unknown)}; allowed: {', '.join(KINDS)}")
+        self.kinds = frozenset(kinds)
+        self.computed: collections.Counter[str] = collections.Counter()  # ops computed in FP32, per kind
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = _KIND_OF.get(func)
+        if kind in self.kinds:
+            dtype = _operand_dtype(args, kwargs)
+            if dtype is not None:
+                self.computed[kind] += 1
+                return _in_fp32(func, dtype, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _operand_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The 16-bit dtype of the op's CPU operands, or None (not all on the CPU, no 16-bit operand,
+    or two 16-bit dtypes mixed, which the native op refuses: left to it)."""
+    dtypes = set()
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cpu":
+                return None
+            if value.dtype in _SIXTEEN_BIT:
+                dtypes.add(value.dtype)
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _in_fp32(func, dtype: torch.dtype, args: tuple, kwargs: dict):
+    def up(value):
+        return value.float() if isinstance(value, torch.Tensor) and value.dtype == dtype else value
+
+    # The FP32 copies live for the call only: they die before the results are rounded.
+    result = func(*tree_map(up, args), **tree_map(up, kwargs))
+    keep = _FP32_OUTPUTS.get(func, ())
+
+    def down(value):
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.dtype == torch.float32 else value
+
+    if isinstance(result, torch.Tensor):
+        return down(result)
+    return type(result)(value if index in keep else down(value) for index, value in enumerate(result))
+
+
+# --- choosing --------------------------------------------------------------------------------
+
+
+def check_setting(setting: str) -> None:
+    if setting not in CPU_COMPUTE:
+        raise ValueError(f"precision.cpu_compute={setting!r} is not one of {', '.join(CPU_COMPUTE)}")
+
+
+def choices(setting: str, dtype: torch.dtype | None, device: torch.device | str) -> dict[str, str]:
+    """Per kind of op, ``"native"`` or ``"fp32"`` for ``dtype`` operands on ``device`` under
+    ``precision.cpu_compute=setting`` (``auto`` probes once per process and dtype). Empty where the
+    knob changes nothing: a CUDA device, or a dtype that is not 16-bit."""
+    check_setting(setting)
+    if torch.device(device).type != "cpu" or dtype not in _SIXTEEN_BIT:
+        return {}
+    if setting == "auto":
+        return dict(probe_choices(dtype))
+    return dict.fromkeys(KINDS, setting)
+
+
+def compute_context(
+    setting: str, dtype: torch.dtype | None, device: torch.device | str
+) -> contextlib.AbstractContextManager:
+    """The context 16-bit CPU work runs in: ``Fp32Arithmetic`` for the kinds chosen ``fp32``, or
+    nothing at all (no dispatch overhead) where every kind stays native."""
+    kinds = {kind for kind, choice in choices(setting, dtype, device).items() if choice == "fp32"}
+    if not kinds:
+        return contextlib.nullcontext()
+    reuse_freed_memory()
+    return Fp32Arithmetic(kinds)
+
+
+# glibc's mallopt parameters: (number, value, environment variable that sets it at start-up).
+_MALLOPT = (
+    (-3, 32 * 1024 * 1024, "MALLOC_MMAP_THRESHOLD_"),  # M_MMAP_THRESHOLD, the most glibc accepts on 64-bit
+    (-1, 1024 * 1024 * 1024, "MALLOC_TRIM_THRESHOLD_"),  # M_TRIM_THRESHOLD
+)
+
+
+@functools.cache
+def reuse_freed_memory() -> bool:
+    """Keep freed memory in glibc's heap for reuse instead of faulting in fresh pages for every
+    op's FP32 copies (see the module docstring); once per process. Whether it was set."""
+    if any(variable in os.environ for _, _, variable in _MALLOPT):
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    done = all([bool(mallopt(parameter, value)) for parameter, value, _ in _MALLOPT])
+    if done:
+        log.info("cpu compute: glibc keeps freed memory for reuse (mmap threshold 32 MiB, trim threshold 1 GiB)")
+    return done
+
+
+def describe(setting: str, dtype: torch.dtype | None, device: torch.device | str) -> dict[str, object]:
+    """What result.json and the profile JSON record: the setting and the choice per kind of op."""
+    return {"setting": setting, **choices(setting, dtype, device)}
+
+
+@functools.cache
+def probe_choices(dtype: torch.dtype) -> tuple[tuple[str, str], ...]:
+    """``auto``'s choice per kind for ``dtype`` on this CPU, timed once per process and logged."""
+    decided = decide(dtype, probe_seconds)
+    log.info(
+        "precision.cpu_compute=auto on this CPU (%s) for %s: %s",
+        torch.backends.cpu.get_cpu_capability(),
+        str(dtype).removeprefix("torch."),
+        ", ".join(f"{kind} {choice}" for kind, choice in decided.items()),
+    )
+    return tuple(decided.items())
+
+
+def decide(dtype: torch.dtype, seconds: Callable[..., float]) -> dict[str, str]:
+    """Per kind, ``native`` where the FP32 run takes at least ``NATIVE_MUST_WIN`` times the native
+    run, else ``fp32``. ``seconds(kind, dtype, fp32, limit=None)``: the kind's time, natively or in
+    FP32; given a ``limit``, it may stop timing (and return) once a run takes longer."""
+    decided = {}
+    for kind in KINDS:
+        bar = seconds(kind, dtype, True) / NATIVE_MUST_WIN  # what native must beat
+        decided[kind] = "native" if seconds(kind, dtype, False, limit=bar) <= bar else "fp32"
+    return decided
+
+
+# The probe's problems: large enough that a fast kernel is past its fixed costs (smaller ones
+# favour FP32 by too little to tell), small enough that one run of a slow reference kernel takes
+# milliseconds (tens at most: FP16 convolution backward on AVX-512).
+def _probe_work(kind: str, dtype: torch.dtype) -> Callable[[], object]:
+    generator = torch.Generator().manual_seed(0)
+    if kind == "matmul":
+        a, b = (torch.randn(256, 256, generator=generator).to(dtype) for _ in range(2))
+        return lambda: torch.mm(a, b)
+    x = torch.randn(8, 32, 16, 16, generator=generator).to(dtype)
+    weight = torch.randn(32, 32, 3, 3, generator=generator).to(dtype)
+    if kind == "convolution":
+        return lambda: F.conv2d(x, weight, padding=1)
+    grad = torch.randn(8, 32, 16, 16, generator=generator).to(dtype)
+    return lambda: _aten.convolution_backward(
+        grad, x, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]
+    )
+
+
+def probe_seconds(kind: str, dtype: torch.dtype, fp32: bool, limit: float | None = None, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` runs (after one warm-up: first runs pay one-time set-up) of
+    ``kind``'s probe in ``dtype``, natively or under ``Fp32Arithmetic``; the time of the first
+    timed run that exceeds ``limit``, as soon as one does."""
+    work = _probe_work(kind, dtype)
+    context = (lambda: Fp32Arithmetic({kind})) if fp32 else contextlib.nullcontext
+    best = float("inf")
+    with torch.no_grad():
+        for attempt in range(repeats + 1):
+            with context():
+                started = time.perf_counter()
+                work()
+                elapsed = time.perf_counter() - started
+            if attempt:
+                if limit is not None and elapsed > limit:
+                    return elapsed
+                best = min(best, elapsed)
+    return best
+
+
+def summary(recorded: Mapping[str, object]) -> str:
+    """One line for logs and tables: ``auto: convolution fp32, ...``."""
+    parts = [f"{kind} {recorded[kind]}" for kind in KINDS if kind in recorded]
+    return f"{recorded.get('setting')}: {', '.join(parts)}" if parts else str(recorded.get("setting"))
