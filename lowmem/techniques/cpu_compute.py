@@ -108,8 +108,16 @@ class Fp32Arithmetic(TorchDispatchMode):
             dtype = _operand_dtype(args, kwargs)
             if dtype is not None:
                 self.computed[kind] += 1
+                if func in _CONVOLUTIONS and not kwargs:
+                    return _CONVOLUTIONS[func](dtype, *args)
                 return _in_fp32(func, dtype, args, kwargs)
         return func(*args, **kwargs)
+
+
+_CONVOLUTIONS = {
+    _aten.convolution.default: lambda *args: _convolution_in_fp32(*args),
+    _aten.convolution_backward.default: lambda *args: _convolution_backward_in_fp32(*args),
+}
 
 
 def _operand_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
@@ -139,6 +147,97 @@ def _in_fp32(func, dtype: torch.dtype, args: tuple, kwargs: dict):
     if isinstance(result, torch.Tensor):
         return down(result)
     return type(result)(value if index in keep else down(value) for index, value in enumerate(result))
+
+
+# The most FP32 weight one convolution call holds: larger weights run in blocks of output channels
+# (their FP32 copies and FP32 weight gradients would otherwise add twice the 16-bit weight to the
+# peak, which at small batches is most of it).
+CHUNK_BYTES = 1 << 20
+
+
+def _channel_blocks(weight: torch.Tensor, transposed: bool, groups: int) -> list[slice]:
+    """Blocks of output channels (multiples of 16) whose FP32 weight is at most ``CHUNK_BYTES``;
+    one block, the whole weight, when it is small, grouped or transposed."""
+    channels, per_channel = weight.shape[0], weight[0].numel() * 4
+    if groups != 1 or transposed or channels * per_channel <= CHUNK_BYTES:
+        return [slice(None)]
+    step = max(16, CHUNK_BYTES // per_channel // 16 * 16)
+    return [slice(start, min(start + step, channels)) for start in range(0, channels, step)]
+
+
+def _convolution_in_fp32(dtype, inputs, weight, bias, *arguments):
+    """``convolution`` in FP32, per block of output channels (``_channel_blocks``), each block's
+    output rounded once into the 16-bit result."""
+    blocks = _channel_blocks(weight, transposed=arguments[3], groups=arguments[5])
+    inputs = inputs.float()
+    if len(blocks) == 1:
+        return _aten.convolution.default(inputs, weight.float(), _up(bias), *arguments).to(dtype)
+    output = None
+    for block in blocks:
+        part = _aten.convolution.default(inputs, weight[block].float(), _up(bias, block), *arguments)
+        if output is None:
+            shape = (part.shape[0], weight.shape[0], *part.shape[2:])
+            output = torch.empty(shape, dtype=dtype, memory_format=_memory_format(part))
+        output[:, block].copy_(part)
+        del part
+    return output
+
+
+def _convolution_backward_in_fp32(dtype, grad, inputs, weight, bias_sizes, *arguments):
+    """``convolution_backward`` in FP32: the input's gradient, then the weight's (and the bias's),
+    per block of output channels (``_channel_blocks``). Each gradient needs only the other
+    operand's shape, given as a zero-stride stand-in, so the FP32 weight and the FP32 weight
+    gradient are never alive together. The input's gradient sums the blocks' in FP32; each result
+    is rounded once."""
+    *arguments, output_mask = arguments  # stride, padding, dilation, transposed, output_padding, groups
+    backward = _aten.convolution_backward.default
+    blocks = _channel_blocks(weight, transposed=arguments[3], groups=arguments[5])
+    whole = grad.float() if len(blocks) == 1 else None
+    grad_of = (lambda block: whole) if whole is not None else (lambda block: grad[:, block].float())
+    grads: list[torch.Tensor | None] = [None, None, None]
+    if output_mask[0]:
+        total = None
+        for block in blocks:
+            part = backward(grad_of(block), _stand_in(inputs), weight[block].float(), None, *arguments,
+                            [True, False, False])[0]  # fmt: skip
+            total = part if total is None else total.add_(part)
+            del part
+        grads[0] = total.to(dtype)
+        del total
+    if output_mask[1] or output_mask[2]:
+        inputs = inputs.float()
+        if output_mask[1]:
+            grads[1] = torch.empty_like(weight, dtype=dtype)
+        if output_mask[2]:
+            grads[2] = weight.new_empty(weight.shape[0], dtype=dtype)
+        mask = [False, output_mask[1], output_mask[2]]
+        for block in blocks:
+            channels = weight[block].shape[0]
+            sizes = None if bias_sizes is None else [channels]
+            _, weight_part, bias_part = backward(
+                grad_of(block), inputs, _stand_in(weight[block]), sizes, *arguments, mask
+            )
+            for result, part in ((grads[1], weight_part), (grads[2], bias_part)):
+                if result is not None:
+                    result[block].copy_(part)
+            del weight_part, bias_part
+    return tuple(grads)
+
+
+def _memory_format(tensor: torch.Tensor) -> torch.memory_format:
+    """Channels-last for a channels-last 4-d tensor (as the native convolution returns it)."""
+    channels_last = tensor.dim() == 4 and not tensor.is_contiguous()
+    return torch.channels_last if channels_last and tensor.is_contiguous(memory_format=torch.channels_last) \
+        else torch.contiguous_format  # fmt: skip
+
+
+def _up(tensor: torch.Tensor | None, block: slice = slice(None)) -> torch.Tensor | None:
+    return None if tensor is None else tensor[block].float()
+
+
+def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """An FP32 tensor of ``tensor``'s shape holding one element (its values are never read)."""
+    return torch.empty((), dtype=torch.float32).expand(tensor.shape)
 
 
 # --- choosing --------------------------------------------------------------------------------
