@@ -134,18 +134,6 @@ def _timm() -> list[ConformanceModel]:
     ]
 
 
-def native_16_bit(dtype: str) -> bool:
-    """Whether this CPU computes ``dtype`` ("bf16" / "fp16") in hardware (AVX-512 or AMX): elsewhere
-    torch's 16-bit convolutions and matrix products take reference kernels, 27-60x slower than FP32,
-    and no test's length may depend on them."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = set(next((line for line in info if line.startswith("flags")), "").split())
-    except OSError:
-        return False
-    return bool({f"avx512_{dtype}", f"amx_{dtype}"} & flags)
-
-
 def conformance_models() -> list[ConformanceModel]:
     """Every model of the suite whose library is installed (``pip install -e '.[models]'``)."""
     found: list[ConformanceModel] = []

@@ -204,7 +204,8 @@ def test_the_knob_changes_nothing_on_cuda_or_for_fp32():
     assert choices("fp32", torch.bfloat16, "cuda") == {}
     assert choices("fp32", torch.float32, "cpu") == {}
     assert choices("native", torch.bfloat16, "cpu") == dict.fromkeys(KINDS, "native")
-    assert isinstance(cpu_compute.compute_context("native", torch.bfloat16, "cpu"), type(cpu_compute.contextlib.nullcontext()))
+    assert not isinstance(cpu_compute.compute_context("native", torch.bfloat16, "cpu"), Fp32Arithmetic)
+    assert isinstance(cpu_compute.compute_context("fp32", torch.bfloat16, "cpu"), Fp32Arithmetic)
 
 
 def test_a_bad_setting_names_the_knob_and_the_allowed_values():
@@ -277,7 +278,9 @@ def test_a_bf16_step_in_fp32_agrees_with_native_within_16_bit_rounding(overrides
 
 def test_measured_peak_in_fp32_is_within_10_percent_of_native():
     # Table 3 row 7's combination (density 0.1, FP16, true microbatches of 4, residual_star every 2)
-XX
+    # on torchvision's resnet18 through lowmem.prepare. Its weights dominate at this batch: natively
+    # the FP16 weight gradients are slow (~15 s on an AVX-512 CPU), and the FP32 way would add
+    # twice each weight without the blocks of output channels.
     row7 = ["sparsity.density=0.1", "precision=fp16", "microbatch.size=4", "checkpointing.strategy=residual_star",
             "checkpointing.every=2", "trainer.device=cpu"]  # fmt: skip
     batch = (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))
