@@ -63,6 +63,34 @@ static inline uint16_t store_weight(float w, int stochastic, uint32_t key, int64
 /* 2^k for an integer k in [-126, 127]. */
 static inline float pow2(int k) { return bits_float((uint32_t)(k + 127) << 23); }
 
+/* The loops below are written once, as always-inlined functions of the dtype and the rounding, and
+ * called with each combination as constants (SPECIALIZED): the compiler then vectorizes every
+ * variant (a runtime dtype inside the loop would keep it scalar). Vectorizing changes no result:
+ * each element's operations are the same correctly rounded FP32 operations, none fused. */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define SPECIALIZED(call, dtype, stochastic)                                                       \
+    do {                                                                                            \
+        if ((dtype) == BF16) { if (stochastic) call(BF16, 1); else call(BF16, 0); }                 \
+        else { if (stochastic) call(FP16, 1); else call(FP16, 0); }                                 \
+    } while (0)
+
+ALWAYS_INLINE void sgd_tensor(uint16_t *w, const uint16_t *g, uint16_t *b, int64_t size, uint32_t key, float lr,
+                              float momentum, int nesterov, float weight_decay, float grad_scale, int dtype,
+                              int stochastic) {
+    for (int64_t i = 0; i < size; i++) {
+        float weight = load16(w, i, dtype);
+        float grad = load16(g, i, dtype) / grad_scale;
+        if (weight_decay != 0.0f) grad = grad + weight * weight_decay;
+        float update = grad;
+        if (b) {
+            float buffer = load16(b, i, dtype) * momentum + grad;
+            update = nesterov ? grad + buffer * momentum : buffer;
+            b[i] = round_nearest(buffer, dtype);
+        }
+        w[i] = store_weight(weight + update * -lr, stochastic, key, i, dtype);
+    }
+}
+
 void lowmem_sgd(int64_t count, const int64_t *weights, const int64_t *grads, const int64_t *momenta,
                 const int64_t *sizes, const uint32_t *keys, int dtype, float lr, float momentum, int nesterov,
                 float weight_decay, float grad_scale, int stochastic) {
@@ -70,19 +98,33 @@ void lowmem_sgd(int64_t count, const int64_t *weights, const int64_t *grads, con
         uint16_t *w = (uint16_t *)weights[t];
         const uint16_t *g = (const uint16_t *)grads[t];
         uint16_t *b = momentum != 0.0f ? (uint16_t *)momenta[t] : 0;
-        for (int64_t i = 0; i < sizes[t]; i++) {
-            float weight = load16(w, i, dtype);
-            float grad = load16(g, i, dtype) / grad_scale;
-            if (weight_decay != 0.0f) grad = grad + weight * weight_decay;
-            float update = grad;
-            if (b) {
-                float buffer = load16(b, i, dtype) * momentum + grad;
-                update = nesterov ? grad + buffer * momentum : buffer;
-                b[i] = round_nearest(buffer, dtype);
-            }
-            w[i] = store_weight(weight + update * -lr, stochastic, keys[t], i, dtype);
-        }
+        /* The loop-invariant choices as constants too, so that each loop is branch-free. */
+#define SGD(D, S)                                                                                          \
+    do {                                                                                                   \
+        if (b && nesterov) sgd_tensor(w, g, b, sizes[t], keys[t], lr, momentum, 1, weight_decay, grad_scale, D, S); \
+        else if (b) sgd_tensor(w, g, b, sizes[t], keys[t], lr, momentum, 0, weight_decay, grad_scale, D, S);        \
+        else sgd_tensor(w, g, 0, sizes[t], keys[t], lr, momentum, 0, weight_decay, grad_scale, D, S);               \
+    } while (0)
+        SPECIALIZED(SGD, dtype, stochastic);
+#undef SGD
     }
+}
+
+ALWAYS_INLINE void adam_amax_tensor(const uint16_t *g, const uint16_t *m, const uint16_t *v, int64_t size,
+                                    float read_m, float read_v, float beta1, float beta2, float one_minus_beta1,
+                                    float one_minus_beta2, float grad_scale, float *amax, int dtype) {
+    float top_m = 0.0f, top_v = 0.0f;
+    for (int64_t i = 0; i < size; i++) {
+        float grad = load16(g, i, dtype) / grad_scale;
+        float avg = load16(m, i, dtype) * read_m * beta1 + grad * one_minus_beta1;
+        float avg_sq = load16(v, i, dtype) * read_v * beta2 + one_minus_beta2 * grad * grad;
+        /* fmaxf's result, NaN ignored, in a form the vectorizer takes as a max reduction */
+        float abs_m = fabsf(avg), abs_v = fabsf(avg_sq);
+        top_m = abs_m > top_m ? abs_m : top_m;
+        top_v = abs_v > top_v ? abs_v : top_v;
+    }
+    amax[0] = top_m;
+    amax[1] = top_v;
 }
 
 /* Adam, first pass: the largest |new moment| of each tensor (the per-tensor scales of pass two). */
@@ -94,16 +136,10 @@ void lowmem_adam_amax(int64_t count, const int64_t *grads, const int64_t *exp_av
         const uint16_t *g = (const uint16_t *)grads[t], *m = (const uint16_t *)exp_avgs[t];
         const uint16_t *v = (const uint16_t *)exp_avg_sqs[t];
         float read_m = pow2(-(int)*(const float *)m_scales[t]), read_v = pow2(-(int)*(const float *)v_scales[t]);
-        float top_m = 0.0f, top_v = 0.0f;
-        for (int64_t i = 0; i < sizes[t]; i++) {
-            float grad = load16(g, i, dtype) / grad_scale;
-            float avg = load16(m, i, dtype) * read_m * beta1 + grad * one_minus_beta1;
-            float avg_sq = load16(v, i, dtype) * read_v * beta2 + one_minus_beta2 * grad * grad;
-            top_m = fmaxf(top_m, fabsf(avg));
-            top_v = fmaxf(top_v, fabsf(avg_sq));
-        }
-        amax[2 * t] = top_m;
-        amax[2 * t + 1] = top_v;
+#define AMAX(D, S) adam_amax_tensor(g, m, v, sizes[t], read_m, read_v, beta1, beta2, one_minus_beta1, \
+                                     one_minus_beta2, grad_scale, amax + 2 * t, D)
+        SPECIALIZED(AMAX, dtype, 0);
+#undef AMAX
     }
 }
 
@@ -113,6 +149,24 @@ static inline float moment_log2_scale(float top) {
     frexpf(top, &exponent);
     int k = 15 - exponent;
     return (float)(k < -126 ? -126 : (k > 126 ? 126 : k));
+}
+
+ALWAYS_INLINE void adam_tensor(uint16_t *w, const uint16_t *g, uint16_t *m, uint16_t *v, int64_t size,
+                               uint32_t key, float read_m, float read_v, float write_m, float write_v,
+                               float step_size, float beta1, float beta2, float one_minus_beta1,
+                               float one_minus_beta2, float eps, int decays, float decay, float grad_scale,
+                               int dtype, int stochastic) {
+    for (int64_t i = 0; i < size; i++) {
+        float grad = load16(g, i, dtype) / grad_scale;
+        float avg = load16(m, i, dtype) * read_m * beta1 + grad * one_minus_beta1;
+        float avg_sq = load16(v, i, dtype) * read_v * beta2 + one_minus_beta2 * grad * grad;
+        float weight = load16(w, i, dtype);
+        if (decays) weight = weight * decay;
+        weight = weight + -step_size * (avg / (sqrtf(avg_sq) + eps));
+        m[i] = round_nearest(avg * write_m, dtype);
+        v[i] = round_nearest(avg_sq * write_v, dtype);
+        w[i] = store_weight(weight, stochastic, key, i, dtype);
+    }
 }
 
 /* Adam, second pass: new moments (stored scaled per tensor) and weights. */
@@ -130,17 +184,15 @@ void lowmem_adam(int64_t count, const int64_t *weights, const int64_t *grads, co
         float scale_m = moment_log2_scale(amax[2 * t]), scale_v = moment_log2_scale(amax[2 * t + 1]);
         float write_m = pow2((int)scale_m), write_v = pow2((int)scale_v);
         float step_size = step_sizes[t];
-        for (int64_t i = 0; i < sizes[t]; i++) {
-            float grad = load16(g, i, dtype) / grad_scale;
-            float avg = load16(m, i, dtype) * read_m * beta1 + grad * one_minus_beta1;
-            float avg_sq = load16(v, i, dtype) * read_v * beta2 + one_minus_beta2 * grad * grad;
-            float weight = load16(w, i, dtype);
-            if (decays) weight = weight * decay;
-            weight = weight + -step_size * (avg / (sqrtf(avg_sq) + eps));
-            m[i] = round_nearest(avg * write_m, dtype);
-            v[i] = round_nearest(avg_sq * write_v, dtype);
-            w[i] = store_weight(weight, stochastic, keys[t], i, dtype);
-        }
+#define ADAM(D, S)                                                                                         \
+    do {                                                                                                   \
+        if (decays) adam_tensor(w, g, m, v, sizes[t], keys[t], read_m, read_v, write_m, write_v, step_size,  \
+                                beta1, beta2, one_minus_beta1, one_minus_beta2, eps, 1, decay, grad_scale, D, S); \
+        else adam_tensor(w, g, m, v, sizes[t], keys[t], read_m, read_v, write_m, write_v, step_size, beta1,  \
+                         beta2, one_minus_beta1, one_minus_beta2, eps, 0, decay, grad_scale, D, S);          \
+    } while (0)
+        SPECIALIZED(ADAM, dtype, stochastic);
+#undef ADAM
         *m_scale = scale_m;
         *v_scale = scale_v;
     }
