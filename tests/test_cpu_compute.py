@@ -122,6 +122,31 @@ def test_large_convolutions_run_in_blocks_of_output_channels(monkeypatch, channe
         torch.testing.assert_close(got.float(), want.float(), rtol=torch.finfo(torch.bfloat16).eps, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("rows", "shared", "columns", "exact"),
+    [(96, 8, 8, True), (8, 8, 96, True), (8, 96, 8, False)],
+    ids=["by_rows", "by_columns", "by_shared_dimension"],
+)
+def test_large_matrix_products_run_in_blocks(monkeypatch, rows, shared, columns, exact):
+    # Above BLOCK_BYTES, blocks along the largest dimension: along a's rows or b's columns each
+    # result element is the one FP32 product (bit for bit); along the shared dimension the blocks'
+    # products are summed in FP32 and rounded once (within one BF16 rounding).
+    bias, a, b = _operands(torch.bfloat16, (columns,), (rows, shared), (shared, columns))
+    want = [torch.mm(a.float(), b.float()).to(torch.bfloat16),
+            torch.addmm(bias.float(), a.float(), b.float(), beta=0.5, alpha=2.0).to(torch.bfloat16)]  # fmt: skip
+    monkeypatch.setattr(cpu_compute, "BLOCK_BYTES", 4 * 8 * 8 * 4)
+    with Fp32Arithmetic() as mode:
+        got = [torch.mm(a, b), torch.addmm(bias, a, b, beta=0.5, alpha=2.0), torch.mm(a.t().contiguous().t(), b)]
+    assert mode.computed["matmul"] == 3
+    for result, expected in zip(got, [*want, want[0]], strict=True):
+        assert result.dtype == torch.bfloat16 and result.shape == expected.shape
+        if exact:
+            assert torch.equal(result, expected)
+        else:
+            eps = torch.finfo(torch.bfloat16).eps
+            torch.testing.assert_close(result.float(), expected.float(), rtol=eps, atol=1e-5)
+
+
 def test_what_autograd_saves_and_every_gradient_stay_16_bit():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).bfloat16()
     x = torch.randn(2, 3, 6, 6, dtype=torch.bfloat16, requires_grad=True)

@@ -110,10 +110,13 @@ class Fp32Arithmetic(TorchDispatchMode):
                 self.computed[kind] += 1
                 if func in _CONVOLUTIONS and not kwargs:
                     return _CONVOLUTIONS[func](dtype, *args)
+                if func in _MATRIX_PRODUCTS:
+                    return _matrix_product_in_fp32(func, dtype, args, kwargs)
                 return _in_fp32(func, dtype, args, kwargs)
         return func(*args, **kwargs)
 
 
+_MATRIX_PRODUCTS = (_aten.mm.default, _aten.addmm.default)
 _CONVOLUTIONS = {
     _aten.convolution.default: lambda *args: _convolution_in_fp32(*args),
     _aten.convolution_backward.default: lambda *args: _convolution_backward_in_fp32(*args),
@@ -147,6 +150,53 @@ def _in_fp32(func, dtype: torch.dtype, args: tuple, kwargs: dict):
     if isinstance(result, torch.Tensor):
         return down(result)
     return type(result)(value if index in keep else down(value) for index, value in enumerate(result))
+
+
+# A matrix product whose FP32 operands and result exceed this runs in blocks of about a quarter of
+# it, each block's FP32 copies small enough to stay in the CPU's cache: converting whole
+# activations to FP32 and back went through memory (a third more time per DynamicConv step) and
+# held FP32 copies of them.
+BLOCK_BYTES = 16 << 20
+
+
+def _matrix_product_in_fp32(func, dtype, args, kwargs):
+    """``mm(a, b)`` / ``addmm(bias, a, b, beta=, alpha=)`` in FP32, in blocks along the largest of
+    a's rows, b's columns (each result element computed whole, rounded once) and the shared
+    dimension (the blocks' products summed in an FP32 result, rounded once at the end)."""
+    bias, (a, b) = (None, args) if func is _aten.mm.default else (args[0], args[1:])
+    (rows, shared), columns = a.shape, b.shape[1]
+    if 4 * (rows * shared + shared * columns + rows * columns) <= BLOCK_BYTES:
+        return _in_fp32(func, dtype, args, kwargs)
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    largest = max(rows, shared, columns)
+    if largest == shared:
+        step = max(1, BLOCK_BYTES // 4 // (4 * (rows + columns)))
+        total = None
+        for start in range(0, shared, step):
+            block = slice(start, start + step)
+            part_a, part_b = a[:, block].float(), b[block].float()
+            if total is None:
+                total = torch.mm(part_a, part_b) if bias is None else \
+                    torch.addmm(_up(bias), part_a, part_b, beta=beta, alpha=alpha)  # fmt: skip
+            else:
+                total.addmm_(part_a, part_b, alpha=alpha)
+        return total.to(dtype)
+    result = torch.empty((rows, columns), dtype=dtype)
+    by_rows = largest == rows
+    whole = b.float() if by_rows else a.float()
+    step = max(1, BLOCK_BYTES // 4 // (4 * (shared + (columns if by_rows else rows))))
+    for start in range(0, largest, step):
+        block = slice(start, start + step)
+        index = (block, slice(None)) if by_rows else (slice(None), block)
+        operands = (a[block].float(), whole) if by_rows else (whole, b[:, block].float())
+        if bias is None:
+            part = torch.mm(*operands)
+        else:
+            broadcast = bias.expand(rows, columns)[index]
+            part = torch.addmm(broadcast.float(), *operands, beta=beta, alpha=alpha)
+        result[index].copy_(part)
+        del part
+    return result
 
 
 # The most FP32 weight one convolution call holds: larger weights run in blocks of output channels
