@@ -13,8 +13,9 @@ Rows:
   (non-reentrant) over the same residual blocks, every 2;
 - each lowmem technique alone; the report's Table 3 combinations (rows 2-7, true microbatching).
 
-On a CPU, 16-bit rows use BF16 (this CPU has no fast FP16 kernels; BF16 and FP16 take the same
-bytes); on CUDA they use FP16 as in the report. ``--workspaces capped`` runs every row with the
+On a CPU, 16-bit rows use BF16 (no loss scaling; BF16 and FP16 take the same bytes), computed as
+``precision.cpu_compute=auto`` chooses (the peer's too); on CUDA they use FP16 as in the report.
+``--workspaces capped`` runs every row with the
 capped library workspaces (``trainer.workspaces=capped``; the libraries read them once per process,
 so capped and default rows are separate runs); ``--tiny`` the same rows on WRN-10-1 (seconds on a
 CPU: what ``make gpu-report TINY=1`` runs); ``--json`` also writes the rows as JSON.
@@ -25,6 +26,7 @@ CPU: what ``make gpu-report TINY=1`` runs); ``--json`` also writes the rows as J
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -39,6 +41,7 @@ from lowmem.config import compose
 from lowmem.libraries import configure_libraries
 from lowmem.profiler import account_activations, count_flops, measure_peak, profile_trainer
 from lowmem.run_files import save_bytes
+from lowmem.techniques.cpu_compute import compute_context, summary
 from lowmem.trainer import build_trainer
 from recipes.wrn_cifar.model import WideResNet
 
@@ -119,10 +122,15 @@ def plain_pytorch(batch, device, peer: bool, sixteen: torch.dtype, repeats: int)
         x = F.relu(model.bn(x))
         return model.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
+    # The peer's 16-bit operands computed as lowmem's runs compute them (precision.cpu_compute=auto):
+    # on a CPU without fast 16-bit kernels, natively they would take 20-60x longer.
+    arithmetic = (lambda: compute_context("auto", sixteen, device)) if peer else contextlib.nullcontext
+
     def forward_backward():
-        with torch.autocast(device.type, dtype=sixteen, enabled=peer):
-            loss = F.cross_entropy(forward(images).float(), labels)
-        scaler.scale(loss).backward()
+        with arithmetic():
+            with torch.autocast(device.type, dtype=sixteen, enabled=peer):
+                loss = F.cross_entropy(forward(images).float(), labels)
+            scaler.scale(loss).backward()
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -153,6 +161,8 @@ def lowmem_row(overrides: list[str], repeats: int) -> dict:
         "peak": report.peak_bytes,
         "flops": report.flops,
         "seconds": median_seconds(lambda: trainer.train_step(batch), repeats, trainer.device),
+        "precision": trainer.policy.name,
+        "cpu_compute": trainer.cpu_compute_record(),
     }
 
 
@@ -198,13 +208,21 @@ def main(argv: list[str] | None = None) -> None:
 
 def render(rows: dict[str, dict], device: torch.device, workspaces: str = "default") -> str:
     base = rows.get("plain PyTorch FP32") or next(iter(rows.values()))
-    none = rows.get("lowmem FP32 (no technique)")
+    # Each lowmem row against lowmem's own run without techniques in the same precision.
+    nones = {
+        r["precision"]: r
+        for name, r in rows.items()
+        if name == "lowmem FP32 (no technique)" or name.startswith("pure ")
+    }
     mb = lambda b: "—" if b is None else f"{b / 1e6:.1f}"  # noqa: E731
     lines = [
         f"WRN-{WRN[0]}-{WRN[1]}, batch {BATCH}, {device} ({torch.get_num_threads()} threads), torch "
         f"{torch.__version__}, {workspaces} library workspaces; "
         "ratios to plain PyTorch FP32; last column: lowmem's step-time ratio to its own run without "
-        "techniques, over the FLOPs ratio (1.00 = time grows exactly as FLOPs)",
+        "techniques in the same precision (FP32, or pure 16-bit), over the FLOPs ratio (1.00 = time grows "
+        "exactly as FLOPs); 16-bit convolutions and matrix products: "
+        + next((summary(r["cpu_compute"]) for r in rows.values() if r.get("cpu_compute", {}).get("convolution")),
+               "native (CUDA)"),
         "",
         "| configuration | stored activations MB (x fewer) | accounted activations MB (x fewer) "
         "| accounted total MB | measured peak MB (x lower) | GFLOPs (ratio) | step s (ratio) | time/FLOPs vs none |",
@@ -212,6 +230,7 @@ def render(rows: dict[str, dict], device: torch.device, workspaces: str = "defau
     ]
     for name, r in rows.items():
         versus_none = "—"
+        none = nones.get(r.get("precision"))
         if none is not None and r["total"] is not None:  # a lowmem row (plain PyTorch has no accounting)
             versus_none = f"{(r['seconds'] / none['seconds']) / (r['flops'] / none['flops']):.2f}"
         lines.append(

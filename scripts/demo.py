@@ -5,8 +5,9 @@ full combination (density 0.3, 16-bit weights, true microbatches of 10, residual
 prints a Table-3-style comparison (accounted memory, measured peak, reduction, accuracy, time) and
 writes the Pareto table and plot (``python -m lowmem.report``) beside the runs.
 
-BF16 stands in for FP16 on a CPU (this CPU has no fast FP16 kernels: an FP16 WRN step takes ~18 s);
-on a GPU the full combination uses FP16, as in the report. ``--tiny``: WRN-10-1 on fake data for a few steps
+BF16 stands in for FP16 on a CPU (no loss scaling needed; ``precision.cpu_compute=auto`` computes
+either at FP32's speed where the CPU's 16-bit kernels are slow); on a GPU the full combination uses
+FP16, as in the report. ``--tiny``: WRN-10-1 on fake data for a few steps
 (what ``make gpu-report TINY=1`` runs on a CPU).
 """
 

@@ -237,8 +237,9 @@ def _convolution_backward_in_fp32(dtype, grad, inputs, weight, bias_sizes, *argu
     """``convolution_backward`` in FP32: the input's gradient, then the weight's (and the bias's),
     per block of output channels (``_channel_blocks``). Each gradient needs only the other
     operand's shape, given as a zero-stride stand-in, so the FP32 weight and the FP32 weight
-    gradient are never alive together. The input's gradient sums the blocks' in FP32; each result
-    is rounded once."""
+    gradient are never alive together (a channels-last input is passed whole: a stand-in cannot
+    carry its layout, which the kernel follows). The input's gradient sums the blocks' in FP32;
+    each result is rounded once, into the layout of its operand as the native op returns it."""
     *arguments, output_mask = arguments  # stride, padding, dilation, transposed, output_padding, groups
     backward = _aten.convolution_backward.default
     blocks = _channel_blocks(weight, transposed=arguments[3], groups=arguments[5])
@@ -246,13 +247,15 @@ def _convolution_backward_in_fp32(dtype, grad, inputs, weight, bias_sizes, *argu
     grad_of = (lambda block: whole) if whole is not None else (lambda block: grad[:, block].float())
     grads: list[torch.Tensor | None] = [None, None, None]
     if output_mask[0]:
+        shape_of_inputs = _stand_in(inputs) if inputs.is_contiguous() else inputs.float()
         total = None
         for block in blocks:
-            part = backward(grad_of(block), _stand_in(inputs), weight[block].float(), None, *arguments,
+            part = backward(grad_of(block), shape_of_inputs, weight[block].float(), None, *arguments,
                             [True, False, False])[0]  # fmt: skip
             total = part if total is None else total.add_(part)
             del part
-        grads[0] = total.to(dtype)
+        del shape_of_inputs
+        grads[0] = torch.empty_like(inputs).copy_(total)
         del total
     if output_mask[1] or output_mask[2]:
         inputs = inputs.float()
