@@ -197,11 +197,11 @@ def _fake_seconds(native: dict[str, float]):
 
 
 def test_auto_keeps_native_only_where_it_clearly_wins():
-    seconds, limits = _fake_seconds({"convolution": 40.0, "convolution_backward": 0.5, "matmul": 0.9})
+    seconds, limits = _fake_seconds({"convolution": 40.0, "convolution_backward": 0.5, "matmul": 0.8})
     assert decide(torch.bfloat16, seconds) == {
         "convolution": "fp32",  # a reference kernel, 40x slower
         "convolution_backward": "native",  # twice as fast (AMX-like)
-        "matmul": "fp32",  # 10% faster on the probe: within what varies per shape
+        "matmul": "fp32",  # 20% faster on the probe: within what varies per shape and run
     }
     # Native runs may stop timing as soon as they miss the bar.
     assert limits == dict.fromkeys(KINDS, pytest.approx(1.0 / NATIVE_MUST_WIN))
