@@ -48,8 +48,8 @@ from lowmem.signals import Interrupted, StopOnSignal
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.compact import compact_state_dict_keys, dense_copy, dense_state_dict
 from lowmem.techniques.convolutions import tune_convolutions
-from lowmem.techniques.cpu_compute import compute_context, summary
-from lowmem.techniques.cpu_compute import describe as describe_cpu_compute
+from lowmem.techniques.cpu_compute import choices as cpu_compute_choices
+from lowmem.techniques.cpu_compute import context_for, summary
 from lowmem.techniques.microbatch import apply_simulated_microbatching, no_sync_except_last
 from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
 from lowmem.techniques.precision import (
@@ -132,6 +132,9 @@ class Trainer:
             data_parallel=distributed.world_size() > 1,
         )
         tune_convolutions(self.unwrapped_model, device, cfg.trainer.workspaces)  # CUDA: cuDNN timing
+        # Where 16-bit convolutions and matrix products are computed on a CPU, decided once (auto:
+        # probed); a resumed run takes its checkpoint's choices, so that it computes the same bits.
+        self.cpu_compute = cpu_compute_choices(policy.cpu_compute, policy.sixteen_bit, device)
         self.state = TrainState()
 
     @property
@@ -196,11 +199,11 @@ class Trainer:
         """Where this run's 16-bit convolutions and matrix products are computed on a CPU: natively
         or in FP32 (``precision.cpu_compute``, ``lowmem.techniques.cpu_compute``). Entered inside
         any memory tracker, which so counts the FP32 temporaries."""
-        return compute_context(self.policy.cpu_compute, self.policy.sixteen_bit, self.device)
+        return context_for(self.cpu_compute)
 
     def cpu_compute_record(self) -> dict[str, Any]:
         """``precision.cpu_compute`` and what it chose per kind of op (result.json, profile JSON)."""
-        return describe_cpu_compute(self.policy.cpu_compute, self.policy.sixteen_bit, self.device)
+        return {"setting": self.policy.cpu_compute, **self.cpu_compute}
 
     def train_step(self, batch: Any) -> dict[str, Any]:
         """Forward/backward over all microbatches of ``batch``, then one (possibly skipped) update."""
@@ -411,6 +414,7 @@ class Trainer:
             },
             "config": OmegaConf.to_container(self.config, resolve=True),
             "optimizer_kernels": self.optimizer_kernels(),
+            "cpu_compute": dict(self.cpu_compute),
         }
 
     def optimizer_kernels(self) -> str:
@@ -435,6 +439,10 @@ class Trainer:
                 theirs,
                 mine,
             )
+        recorded = checkpoint.get("cpu_compute")
+        if recorded and self.cpu_compute and self.policy.cpu_compute == "auto" and recorded != self.cpu_compute:
+            log.info("trainer.resume: 16-bit CPU arithmetic as the checkpoint's run chose it (%s)", recorded)
+            self.cpu_compute = dict(recorded)
         if (checkpoint["sparsity"] is None) != (self.sparsity is None):
             raise ConfigError("trainer.resume: the checkpoint's sparsity.density differs from this run's")
         # Sparsity first: compact storage lays the weights out for the checkpoint's active counts,

@@ -301,6 +301,23 @@ def test_a_bf16_step_in_fp32_agrees_with_native_within_16_bit_rounding(overrides
     assert float(fp32.norm() / native.norm()) == pytest.approx(1.0, abs=0.1)
 
 
+def test_a_resumed_run_computes_as_its_checkpoint_chose():
+    # auto's probe may decide otherwise in another process; a resumed run must compute the same bits.
+    first = build_trainer(make_config(*SMALL_DC_BF16))
+    assert set(first.cpu_compute) == set(KINDS)
+    state = first.checkpoint_state()
+    flipped = {"fp32": "native", "native": "fp32"}
+    state["cpu_compute"] = {**first.cpu_compute, "matmul": flipped[first.cpu_compute["matmul"]]}
+    second = build_trainer(make_config(*SMALL_DC_BF16))
+    second.load_checkpoint(state)
+    assert second.cpu_compute == state["cpu_compute"]
+    assert second.cpu_compute_record() == {"setting": "auto", **state["cpu_compute"]}
+    # An explicit setting is the user's: it stays.
+    explicit = build_trainer(make_config(*SMALL_DC_BF16, "precision.cpu_compute=fp32"))
+    explicit.load_checkpoint(state)
+    assert explicit.cpu_compute == dict.fromkeys(KINDS, "fp32")
+
+
 def test_measured_peak_in_fp32_is_within_10_percent_of_native():
     # Table 3 row 7's combination (density 0.1, FP16, true microbatches of 4, residual_star every 2)
     # on torchvision's resnet18 through lowmem.prepare. Its weights dominate at this batch: natively

@@ -321,7 +321,12 @@ def compute_context(
 ) -> contextlib.AbstractContextManager:
     """The context 16-bit CPU work runs in: ``Fp32Arithmetic`` for the kinds chosen ``fp32``, or
     nothing at all (no dispatch overhead) where every kind stays native."""
-    kinds = {kind for kind, choice in choices(setting, dtype, device).items() if choice == "fp32"}
+    return context_for(choices(setting, dtype, device))
+
+
+def context_for(chosen: Mapping[str, str]) -> contextlib.AbstractContextManager:
+    """``compute_context`` for choices already made (``choices``; a resumed run's, from its checkpoint)."""
+    kinds = {kind for kind, choice in chosen.items() if choice == "fp32"}
     if not kinds:
         return contextlib.nullcontext()
     reuse_freed_memory()
@@ -349,11 +354,6 @@ def reuse_freed_memory() -> bool:
     if done:
         log.info("cpu compute: glibc keeps freed memory for reuse (mmap threshold 32 MiB, trim threshold 1 GiB)")
     return done
-
-
-def describe(setting: str, dtype: torch.dtype | None, device: torch.device | str) -> dict[str, object]:
-    """What result.json and the profile JSON record: the setting and the choice per kind of op."""
-    return {"setting": setting, **choices(setting, dtype, device)}
 
 
 @functools.cache
