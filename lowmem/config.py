@@ -126,7 +126,7 @@ class LoggerConfig:
 
 @dataclass
 class ProfileConfig:
-    measure_peak: bool = True  # lowmem.profile: also run one real step for the measured peak (slow for FP16 on CPU)
+    measure_peak: bool = True  # lowmem.profile: also run one real step for the measured peak
 
 
 @dataclass
