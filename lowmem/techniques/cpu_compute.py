@@ -218,9 +218,9 @@ def _convolution_in_fp32(dtype, inputs, weight, bias, *arguments):
     """``convolution`` in FP32, per block of output channels (``_channel_blocks``), each block's
     output rounded once into the 16-bit result."""
     blocks = _channel_blocks(weight, transposed=arguments[3], groups=arguments[5])
+    if len(blocks) == 1:  # the FP32 input and weight die before the result is rounded
+        return _aten.convolution.default(inputs.float(), weight.float(), _up(bias), *arguments).to(dtype)
     inputs = inputs.float()
-    if len(blocks) == 1:
-        return _aten.convolution.default(inputs, weight.float(), _up(bias), *arguments).to(dtype)
     output = None
     for block in blocks:
         part = _aten.convolution.default(inputs, weight[block].float(), _up(bias, block), *arguments)
@@ -233,7 +233,7 @@ def _convolution_in_fp32(dtype, inputs, weight, bias, *arguments):
 
 
 def _convolution_backward_in_fp32(dtype, grad, inputs, weight, bias_sizes, *arguments):
-    """``convolution_backward`` in FP32: the input's gradient, then the weight's (and the bias's),
+    """``convolution_backward`` in FP32: the weight's gradient (and the bias's), then the input's,
     per block of output channels (``_channel_blocks``). Each gradient needs only the other
     operand's shape, given as a zero-stride stand-in, so the FP32 weight and the FP32 weight
     gradient are never alive together (a channels-last input is passed whole: a stand-in cannot
@@ -245,19 +245,10 @@ def _convolution_backward_in_fp32(dtype, grad, inputs, weight, bias_sizes, *argu
     whole = grad.float() if len(blocks) == 1 else None
     grad_of = (lambda block: whole) if whole is not None else (lambda block: grad[:, block].float())
     grads: list[torch.Tensor | None] = [None, None, None]
-    if output_mask[0]:
-        shape_of_inputs = _stand_in(inputs) if inputs.is_contiguous() else inputs.float()
-        total = None
-        for block in blocks:
-            part = backward(grad_of(block), shape_of_inputs, weight[block].float(), None, *arguments,
-                            [True, False, False])[0]  # fmt: skip
-            total = part if total is None else total.add_(part)
-            del part
-        del shape_of_inputs
-        grads[0] = torch.empty_like(inputs).copy_(total)
-        del total
+    # The weight's gradient first: then the FP32 input dies before the input's gradient is made,
+    # and the FP32 output gradient before that is rounded (the fewest FP32 activations at once).
     if output_mask[1] or output_mask[2]:
-        inputs = inputs.float()
+        inputs_fp32 = inputs.float()
         if output_mask[1]:
             grads[1] = torch.empty_like(weight, dtype=dtype)
         if output_mask[2]:
@@ -267,12 +258,24 @@ def _convolution_backward_in_fp32(dtype, grad, inputs, weight, bias_sizes, *argu
             channels = weight[block].shape[0]
             sizes = None if bias_sizes is None else [channels]
             _, weight_part, bias_part = backward(
-                grad_of(block), inputs, _stand_in(weight[block]), sizes, *arguments, mask
+                grad_of(block), inputs_fp32, _stand_in(weight[block]), sizes, *arguments, mask
             )
             for result, part in ((grads[1], weight_part), (grads[2], bias_part)):
                 if result is not None:
                     result[block].copy_(part)
             del weight_part, bias_part
+        del inputs_fp32
+    if output_mask[0]:
+        shape_of_inputs = _stand_in(inputs) if inputs.is_contiguous() else inputs.float()
+        total = None
+        for block in blocks:
+            part = backward(grad_of(block), shape_of_inputs, weight[block].float(), None, *arguments,
+                            [True, False, False])[0]  # fmt: skip
+            total = part if total is None else total.add_(part)
+            del part
+        del shape_of_inputs, whole, grad_of
+        grads[0] = torch.empty_like(inputs).copy_(total)
+        del total
     return tuple(grads)
 
 
