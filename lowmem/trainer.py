@@ -197,8 +197,9 @@ class Trainer:
 
     def arithmetic(self) -> contextlib.AbstractContextManager:
         """Where this run's 16-bit convolutions and matrix products are computed on a CPU: natively
-        or in FP32 (``precision.cpu_compute``, ``lowmem.techniques.cpu_compute``). Entered inside
-        any memory tracker, which so counts the FP32 temporaries."""
+        or in FP32 (``precision.cpu_compute``, ``lowmem.techniques.cpu_compute``). The measured
+        peaks enter it outside their tracker (the FP32 copies are kernel scratch, uncounted as
+        native kernels' is); inside an enclosing one it does nothing."""
         return context_for(self.cpu_compute)
 
     def cpu_compute_record(self) -> dict[str, Any]:
@@ -578,7 +579,7 @@ class PeakTracker:
             return
         trainer = self.trainer
         data = data_tensors(trainer, batch)
-        with track_peak(trainer.unwrapped_model, trainer.optimizer, self.device, data) as tracker:
+        with trainer.arithmetic(), track_peak(trainer.unwrapped_model, trainer.optimizer, self.device, data) as tracker:
             yield
         self.measured[what] = tracker.peak_bytes
 

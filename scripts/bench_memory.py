@@ -139,7 +139,7 @@ def plain_pytorch(batch, device, peer: bool, sixteen: torch.dtype, repeats: int)
         scaler.update()
 
     trace = account_activations(forward_backward, model, fake=False)
-    peak = measure_peak(step, model, optimizer)
+    peak = measure_peak(step, model, optimizer, arithmetic=arithmetic())
     return {
         "stored": trace.max_saved_bytes,
         "accounted": trace.activation_bytes,

@@ -19,6 +19,7 @@ from torch import nn
 
 import lowmem
 from lowmem.config import ConfigError
+from lowmem.profiler import track_peak
 from lowmem.techniques import cpu_compute
 from lowmem.techniques.cpu_compute import KINDS, NATIVE_MUST_WIN, Fp32Arithmetic, choices, decide
 from lowmem.techniques.precision import make_policy
@@ -318,11 +319,13 @@ def test_a_resumed_run_computes_as_its_checkpoint_chose():
     assert explicit.cpu_compute == dict.fromkeys(KINDS, "fp32")
 
 
-def test_measured_peak_in_fp32_is_within_10_percent_of_native():
+def test_peak_with_the_fp32_copies_counted_is_within_10_percent_of_native():
     # Table 3 row 7's combination (density 0.1, FP16, true microbatches of 4, residual_star every 2)
     # on torchvision's resnet18 through lowmem.prepare. Its weights dominate at this batch: natively
     # the FP16 weight gradients are slow (~15 s on an AVX-512 CPU), and the FP32 way would add
-    # twice each weight without the blocks of output channels.
+    # twice each weight without the blocks of output channels. The run's own measured peak treats
+    # the FP32 copies as kernel scratch (uncounted, like native kernels'); a tracker entered outside
+    # the run's arithmetic counts them, and they must stay small.
     row7 = ["sparsity.density=0.1", "precision=fp16", "microbatch.size=4", "checkpointing.strategy=residual_star",
             "checkpointing.every=2", "trainer.device=cpu"]  # fmt: skip
     batch = (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))
@@ -335,8 +338,9 @@ def test_measured_peak_in_fp32_is_within_10_percent_of_native():
         torch.manual_seed(0)
         run = lowmem.prepare(torchvision.models.resnet18(num_classes=10), loss_fn, batch,
                              overrides=[*row7, f"precision.cpu_compute={setting}"])  # fmt: skip
-        row = run.profile()
-        assert row["cpu_compute"]["setting"] == setting
-        peaks[setting] = row["peak_bytes"]
+        assert run.profile(measure=False)["cpu_compute"]["setting"] == setting
+        with track_peak(device="cpu", owners=[run.trainer, batch]) as tracker:
+            run.step(batch)
+        peaks[setting] = tracker.peak_bytes
         del run
     assert peaks["fp32"] <= 1.10 * peaks["native"], peaks

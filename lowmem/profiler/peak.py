@@ -339,15 +339,16 @@ def measure_peak(
     The step runs for real: it updates the weights and every other piece of training state.
     data: the data set's and the minibatch's tensors (the breakdown's "data").
     owners: the objects whose tensors are the run's (``AllocationTracker``); None: every tensor alive.
-    arithmetic: a context the step runs in, inside the tracker (which so counts what it creates),
-        e.g. ``lowmem.techniques.cpu_compute.compute_context`` for a plain 16-bit step on a CPU.
-        A trainer's ``train_step`` enters its own.
+    arithmetic: a context the step runs in, entered outside the tracker, e.g. a trainer's
+        ``arithmetic()`` or ``lowmem.techniques.cpu_compute.compute_context`` for a 16-bit step on a
+        CPU: its FP32 copies are kernel scratch, which the CPU tracker does not count (as it does
+        not see native kernels' scratch).
     """
     device = next(model.parameters()).device if model is not None else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    with track_peak(model, optimizer, device, data, owners) as tracker, arithmetic or contextlib.nullcontext():
+    with arithmetic or contextlib.nullcontext(), track_peak(model, optimizer, device, data, owners) as tracker:
         train_step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

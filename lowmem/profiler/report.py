@@ -45,6 +45,7 @@ each is then run once (ten times faster for ten equal microbatches).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -151,6 +152,7 @@ def profile_step(
     data: Sequence[torch.Tensor] = (),
     owners: Sequence[object] | None = None,
     fake: bool = True,
+    arithmetic: contextlib.AbstractContextManager | None = None,
 ) -> MemoryReport:
     """Account, count and (if ``train_step`` is given) measure one training step of ``model``.
 
@@ -165,6 +167,8 @@ def profile_step(
     owners: the objects that hold the run (its trainer): the measured peak counts the tensors alive
         at the start that they reach, not the caller's (``lowmem.profiler.peak``); None: every
         tensor alive in the process.
+    arithmetic: the context the real step computes in (``measure_peak``), e.g. the trainer's
+        ``arithmetic()``.
     """
     if callable(microbatches):
         microbatches = [Microbatch(microbatches)]
@@ -189,7 +193,7 @@ def profile_step(
     peak = None
     if train_step is not None:
         started = time.perf_counter()
-        peak = measure_peak(train_step, model, optimizer, data=data, owners=owners)
+        peak = measure_peak(train_step, model, optimizer, data=data, owners=owners, arithmetic=arithmetic)
         seconds["measured_step"] = time.perf_counter() - started
     params = dict(model.named_parameters())
     nonzero = sum(sparse[n][1] if n in sparse else p.numel() for n, p in params.items())

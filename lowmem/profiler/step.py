@@ -42,6 +42,7 @@ def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> Me
         sparse=sparse,
         data=data_tensors(trainer, batch),
         owners=(trainer, batch),  # the run's tensors, not those of whoever profiles it
+        arithmetic=trainer.arithmetic() if measure else None,
     )
 
 

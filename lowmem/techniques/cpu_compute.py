@@ -11,8 +11,11 @@ and backward, the matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ... 
 ``matmul`` and ``einsum`` become) and CPU scaled-dot-product attention forward and backward — in
 forward, recomputation and backward alike. What is stored stays 16-bit: autograd saves the op's
 16-bit operands (it records above this mode), and every result is rounded to the operands' dtype
-before anything keeps it. The FP32 copies are temporaries of one op, freed when it returns; a
-memory tracker entered outside the mode counts them.
+before anything keeps it. The FP32 copies are temporaries of one op, freed when it returns: kernel
+scratch, as native kernels have theirs. lowmem's measured CPU peaks enter the mode outside their
+tracker, which so sees each op's 16-bit operands and result and not the scratch, as it sees
+neither the native kernels' (and as the CUDA path has none); a tracker entered inside it counts
+them (``tests/test_cpu_compute.py`` bounds them). Only the outermost context acts.
 
 ``cpu_compute``:
 - ``native``: the 16-bit kernels as PyTorch has them;
@@ -50,7 +53,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_map
 
 log = logging.getLogger(__name__)
@@ -332,10 +335,15 @@ def compute_context(
 def context_for(chosen: Mapping[str, str]) -> contextlib.AbstractContextManager:
     """``compute_context`` for choices already made (``choices``; a resumed run's, from its checkpoint)."""
     kinds = {kind for kind, choice in chosen.items() if choice == "fp32"}
-    if not kinds:
-        return contextlib.nullcontext()
+    if not kinds or active():
+        return contextlib.nullcontext()  # nothing to do, or an enclosing one decides
     reuse_freed_memory()
     return Fp32Arithmetic(kinds)
+
+
+def active() -> bool:
+    """Whether an ``Fp32Arithmetic`` is on this thread's dispatch mode stack."""
+    return any(isinstance(mode, Fp32Arithmetic) for mode in _get_current_dispatch_mode_stack())
 
 
 # glibc's mallopt parameters: (number, value, environment variable that sets it at start-up).
