@@ -114,15 +114,8 @@ class Fp32Arithmetic(TorchDispatchMode):
             dtype = _operand_dtype(args, kwargs)
             if dtype is not None:
                 self.computed[kind] += 1
-                if func in _CONVOLUTIONS and not kwargs:
-                    return _CONVOLUTIONS[func](dtype, *args)
-                if func in _MATRIX_PRODUCTS:
-                    return _matrix_product_in_fp32(func, dtype, args, kwargs)
-                return _in_fp32(func, dtype, args, kwargs)
+                return _HANDLERS.get(func, _in_fp32)(func, dtype, args, kwargs)
         return func(*args, **kwargs)
-
-
-_MATRIX_PRODUCTS = (_aten.mm.default, _aten.addmm.default)
 
 
 def _operand_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
@@ -217,9 +210,12 @@ def _channel_blocks(weight: torch.Tensor, transposed: bool, groups: int) -> list
     return [slice(start, min(start + step, channels)) for start in range(0, channels, step)]
 
 
-def _convolution_in_fp32(dtype, inputs, weight, bias, *arguments):
+def _convolution_in_fp32(func, dtype, args, kwargs):
     """``convolution`` in FP32, per block of output channels (``_channel_blocks``), each block's
     output rounded once into the 16-bit result."""
+    if kwargs:  # the dispatcher passes every argument positionally; anything else whole
+        return _in_fp32(func, dtype, args, kwargs)
+    inputs, weight, bias, *arguments = args
     blocks = _channel_blocks(weight, transposed=arguments[3], groups=arguments[5])
     if len(blocks) == 1:  # the FP32 input and weight die before the result is rounded
         return _aten.convolution.default(inputs.float(), weight.float(), _up(bias), *arguments).to(dtype)
@@ -235,14 +231,17 @@ def _convolution_in_fp32(dtype, inputs, weight, bias, *arguments):
     return output
 
 
-def _convolution_backward_in_fp32(dtype, grad, inputs, weight, bias_sizes, *arguments):
+def _convolution_backward_in_fp32(func, dtype, args, kwargs):
     """``convolution_backward`` in FP32: the weight's gradient (and the bias's), then the input's,
     per block of output channels (``_channel_blocks``). Each gradient needs only the other
     operand's shape, given as a zero-stride stand-in, so the FP32 weight and the FP32 weight
     gradient are never alive together (a channels-last input is passed whole: a stand-in cannot
     carry its layout, which the kernel follows). The input's gradient sums the blocks' in FP32;
     each result is rounded once, into the layout of its operand as the native op returns it."""
-    *arguments, output_mask = arguments  # stride, padding, dilation, transposed, output_padding, groups
+    if kwargs:  # as in _convolution_in_fp32
+        return _in_fp32(func, dtype, args, kwargs)
+    grad, inputs, weight, bias_sizes, *arguments, output_mask = args
+    # arguments: stride, padding, dilation, transposed, output_padding, groups
     backward = _aten.convolution_backward.default
     blocks = _channel_blocks(weight, transposed=arguments[3], groups=arguments[5])
     whole = grad.float() if len(blocks) == 1 else None
@@ -282,9 +281,11 @@ def _convolution_backward_in_fp32(dtype, grad, inputs, weight, bias_sizes, *argu
     return tuple(grads)
 
 
-_CONVOLUTIONS = {
+_HANDLERS = {  # ops computed in blocks; every other op of _KIND_OF: _in_fp32
     _aten.convolution.default: _convolution_in_fp32,
     _aten.convolution_backward.default: _convolution_backward_in_fp32,
+    _aten.mm.default: _matrix_product_in_fp32,
+    _aten.addmm.default: _matrix_product_in_fp32,
 }
 
 
