@@ -197,9 +197,9 @@ class Trainer:
 
     def arithmetic(self) -> contextlib.AbstractContextManager:
         """Where this run's 16-bit convolutions and matrix products are computed on a CPU: natively
-        or in FP32 (``precision.cpu_compute``, ``lowmem.techniques.cpu_compute``). The measured
-        peaks enter it outside their tracker (the FP32 copies are kernel scratch, uncounted as
-        native kernels' is); inside an enclosing one it does nothing."""
+        or in FP32 (``precision.cpu_compute``, ``lowmem.techniques.cpu_compute``). The FP32 copies
+        are made inside the ops' kernels: scratch that the measured CPU peaks do not see, as they do
+        not see native kernels'. Inside an enclosing one it does nothing."""
         return context_for(self.cpu_compute)
 
     def cpu_compute_record(self) -> dict[str, Any]:

@@ -339,9 +339,9 @@ def measure_peak(
     The step runs for real: it updates the weights and every other piece of training state.
     data: the data set's and the minibatch's tensors (the breakdown's "data").
     owners: the objects whose tensors are the run's (``AllocationTracker``); None: every tensor alive.
-    arithmetic: a context the step runs in, entered outside the tracker, e.g. a trainer's
-        ``arithmetic()`` or ``lowmem.techniques.cpu_compute.compute_context`` for a 16-bit step on a
-        CPU: its FP32 copies are kernel scratch, which the CPU tracker does not count (as it does
+    arithmetic: a context the step runs in, e.g. a trainer's ``arithmetic()`` or
+        ``lowmem.techniques.cpu_compute.compute_context`` for a 16-bit step on a CPU: its FP32
+        copies are made inside the ops' kernels, scratch the CPU tracker does not see (as it does
         not see native kernels' scratch).
     """
     device = next(model.parameters()).device if model is not None else torch.device("cpu")

@@ -6,16 +6,15 @@ slower than FP32. A GPU computes a 16-bit convolution or matrix product with FP3
 rounds the result once; computing the same 16-bit operands in FP32 and rounding the result once is
 that arithmetic, at FP32's speed.
 
-``Fp32Arithmetic`` (a ``TorchDispatchMode``) does it for the compute-heavy ops — convolution forward
+``Fp32Arithmetic`` (a context manager) does it for the compute-heavy ops — convolution forward
 and backward, the matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ... which ``linear``,
 ``matmul`` and ``einsum`` become) and CPU scaled-dot-product attention forward and backward — in
-forward, recomputation and backward alike. What is stored stays 16-bit: autograd saves the op's
-16-bit operands (it records above this mode), and every result is rounded to the operands' dtype
-before anything keeps it. The FP32 copies are temporaries of one op, freed when it returns: kernel
-scratch, as native kernels have theirs. lowmem's measured CPU peaks enter the mode outside their
-tracker, which so sees each op's 16-bit operands and result and not the scratch, as it sees
-neither the native kernels' (and as the CUDA path has none); a tracker entered inside it counts
-them (``tests/test_cpu_compute.py`` bounds them). Only the outermost context acts.
+forward, recomputation and backward alike, by overriding those ops' CPU kernels while it is
+entered (every other op runs untouched, at no cost). What is stored stays 16-bit: autograd saves
+the op's 16-bit operands (it records above the kernels), and every result is rounded to the
+operands' dtype before anything keeps it. The FP32 copies are temporaries of one op, freed when it
+returns: kernel scratch, as native kernels have theirs, which a tracker of live tensors does not
+see; ``measure_scratch`` measures them (``tests/test_cpu_compute.py`` bounds them).
 
 ``cpu_compute``:
 - ``native``: the 16-bit kernels as PyTorch has them;
@@ -48,12 +47,14 @@ import ctypes.util
 import functools
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 log = logging.getLogger(__name__)
@@ -95,27 +96,154 @@ _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 NATIVE_MUST_WIN = 1.4
 
 
-class Fp32Arithmetic(TorchDispatchMode):
-    """Compute the ops of ``kinds`` whose operands are 16-bit CPU tensors in FP32 and round each
-    result once to the operands' dtype (the FP32 op applied to the upcast operands, then ``.to``)."""
+class Fp32Arithmetic:
+    """Context manager: compute the ops of ``kinds`` whose operands are 16-bit CPU tensors in FP32
+    and round each result once to the operands' dtype (the FP32 op applied to the upcast operands,
+    then ``.to``), on this thread, until it exits.
 
-    def __init__(self, kinds: frozenset[str] | set[str] = frozenset(KINDS)) -> None:
-        super().__init__()
+    It does so in the ops' CPU kernels (``_CpuKernels``), not as a dispatch mode: the ops it
+    computes pay a few microseconds of Python each, every other op nothing (a ``TorchDispatchMode``
+    sees every op: about 13 us each, 0.29 s of a 1.7 s microbatched WRN-28-2 step). Nested, the
+    innermost context whose kinds include the op's acts.
+
+    A tracker of live tensors (``lowmem.profiler.track_peak``) never sees the FP32 copies: they are
+    made inside the ops' kernels, as a native kernel's scratch is. ``measure_scratch=True``
+    measures them: ``scratch_peak_bytes``, the most bytes any one op allocated at once (its FP32
+    copies and its rounded result); given ``live_bytes`` (a tracker's live total), also
+    ``peak_with_scratch_bytes``, the most of ``live_bytes()`` at an op's start plus those bytes.
+    """
+
+    def __init__(
+        self,
+        kinds: frozenset[str] | set[str] = frozenset(KINDS),
+        measure_scratch: bool = False,
+        live_bytes: Callable[[], int] | None = None,
+    ) -> None:
         unknown = set(kinds) - set(KINDS)
         if unknown:
             raise ValueError(f"unknown kinds of op {sorted(unknown)}; allowed: {', '.join(KINDS)}")
         self.kinds = frozenset(kinds)
         self.computed: collections.Counter[str] = collections.Counter()  # ops computed in FP32, per kind
+        self.measure_scratch = measure_scratch or live_bytes is not None
+        self.live_bytes = live_bytes
+        self.scratch_peak_bytes = self.peak_with_scratch_bytes = 0
+
+    def __enter__(self) -> Fp32Arithmetic:
+        _CpuKernels.acquire()
+        _contexts().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _contexts().remove(self)
+        _CpuKernels.release()
+
+    def compute(self, func, kind: str, dtype: torch.dtype, args: tuple, kwargs: dict):
+        self.computed[kind] += 1
+        handler = _HANDLERS.get(func, _in_fp32)
+        if not self.measure_scratch:
+            return handler(func, dtype, args, kwargs)
+        live = self.live_bytes() if self.live_bytes is not None else 0
+        with _ScratchMeter() as meter:
+            result = handler(func, dtype, args, kwargs)
+        self.scratch_peak_bytes = max(self.scratch_peak_bytes, meter.peak)
+        self.peak_with_scratch_bytes = max(self.peak_with_scratch_bytes, live + meter.peak)
+        return result
+
+
+_thread = threading.local()
+
+
+def _contexts() -> list[Fp32Arithmetic]:
+    """This thread's entered ``Fp32Arithmetic`` contexts, outermost first."""
+    if not hasattr(_thread, "contexts"):
+        _thread.contexts = []
+    return _thread.contexts
+
+
+class _CpuKernels:
+    """The CPU kernels of the ops of ``_KIND_OF``, overridden while any ``Fp32Arithmetic`` is
+    entered (on any thread) and restored when the last one exits.
+
+    Each override computes in FP32 when an entered context of this thread wants the op's kind and
+    its operands are 16-bit CPU tensors; otherwise it calls the kernel it replaced (captured from
+    the dispatcher when installed). Autograd records above the CPU kernels, so what it saves is
+    the ops' 16-bit operands, and its backward ops come back through the overrides.
+    """
+
+    _lock = threading.Lock()
+    _users = 0
+    _library: torch.library.Library | None = None
+
+    @classmethod
+    def acquire(cls) -> None:
+        with cls._lock:
+            if cls._users == 0:
+                cls._library = cls._install()
+            cls._users += 1
+
+    @classmethod
+    def release(cls) -> None:
+        with cls._lock:
+            cls._users -= 1
+            if cls._users == 0 and cls._library is not None:
+                cls._library._destroy()
+                cls._library = None
+
+    @staticmethod
+    def _install() -> torch.library.Library:
+        library = torch.library.Library("aten", "IMPL")
+        for func, kind in _KIND_OF.items():
+            name = func._schema.name  # "aten::mm": every op here is its default overload
+            replaced = torch._C._dispatch_get_computed_kernel_for_dispatch_key(name, torch._C.DispatchKey.CPU)
+            library.impl(name.removeprefix("aten::"), _override(func, kind, replaced), "CPU", with_keyset=True)
+        return library
+
+
+def _override(func, kind: str, replaced) -> Callable:
+    def kernel(keyset, *args, **kwargs):
+        for context in reversed(_contexts()):
+            if kind in context.kinds:
+                dtype = _operand_dtype(args, kwargs)
+                if dtype is not None:
+                    return context.compute(func, kind, dtype, args, kwargs)
+                break
+        return replaced.call_boxed(keyset, *args, **kwargs)
+
+    return kernel
+
+
+class _ScratchMeter(TorchDispatchMode):
+    """The most bytes of storage alive at once among what the ops under it create."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        kind = _KIND_OF.get(func)
-        if kind in self.kinds:
-            dtype = _operand_dtype(args, kwargs)
-            if dtype is not None:
-                self.computed[kind] += 1
-                return _HANDLERS.get(func, _in_fp32)(func, dtype, args, kwargs)
-        return func(*args, **kwargs)
+        result = func(*args, **(kwargs or {}))
+        for value in result if isinstance(result, (tuple, list)) else (result,):
+            # New storage only: not a view (of a weight, say), not an operand written in place.
+            if isinstance(value, torch.Tensor) and not value._is_view():
+                storage = value.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self._seen and not _shares_storage(key, args, kwargs):
+                    self._seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return result
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+
+def _shares_storage(key: int, args: tuple, kwargs: dict) -> bool:
+    return any(
+        isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == key
+        for value in (*args, *kwargs.values())
+    )
 
 
 def _operand_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
@@ -232,52 +360,42 @@ def _convolution_in_fp32(func, dtype, args, kwargs):
 
 
 def _convolution_backward_in_fp32(func, dtype, args, kwargs):
-    """``convolution_backward`` in FP32: the weight's gradient (and the bias's), then the input's,
-    per block of output channels (``_channel_blocks``). Each gradient needs only the other
-    operand's shape, given as a zero-stride stand-in, so the FP32 weight and the FP32 weight
-    gradient are never alive together (a channels-last input is passed whole: a stand-in cannot
-    carry its layout, which the kernel follows). The input's gradient sums the blocks' in FP32;
-    each result is rounded once, into the layout of its operand as the native op returns it."""
+    """``convolution_backward`` in FP32, per block of output channels (``_channel_blocks``): each
+    block's weight (and bias) gradient is its part of the result; the input's gradient sums the
+    blocks' in FP32. Each result is rounded once, into the layout the native op returns.
+
+    The operands are real FP32 copies: a zero-stride stand-in for the operand a gradient does not
+    read is materialized by the kernel (a fill as large as the copy, and slower)."""
     if kwargs:  # as in _convolution_in_fp32
         return _in_fp32(func, dtype, args, kwargs)
     grad, inputs, weight, bias_sizes, *arguments, output_mask = args
     # arguments: stride, padding, dilation, transposed, output_padding, groups
     backward = _aten.convolution_backward.default
     blocks = _channel_blocks(weight, transposed=arguments[3], groups=arguments[5])
-    whole = grad.float() if len(blocks) == 1 else None
-    grad_of = (lambda block: whole) if whole is not None else (lambda block: grad[:, block].float())
+    if len(blocks) == 1:
+        results = backward(grad.float(), inputs.float(), weight.float(), bias_sizes, *arguments, output_mask)
+        return tuple(None if result is None else result.to(dtype) for result in results)
+    inputs_fp32 = inputs.float()
     grads: list[torch.Tensor | None] = [None, None, None]
-    # The weight's gradient first: then the FP32 input dies before the input's gradient is made,
-    # and the FP32 output gradient before that is rounded (the fewest FP32 activations at once).
-    if output_mask[1] or output_mask[2]:
-        inputs_fp32 = inputs.float()
-        if output_mask[1]:
-            grads[1] = torch.empty_like(weight, dtype=dtype)
-        if output_mask[2]:
-            grads[2] = weight.new_empty(weight.shape[0], dtype=dtype)
-        mask = [False, output_mask[1], output_mask[2]]
-        for block in blocks:
-            channels = weight[block].shape[0]
-            sizes = None if bias_sizes is None else [channels]
-            _, weight_part, bias_part = backward(
-                grad_of(block), inputs_fp32, _stand_in(weight[block]), sizes, *arguments, mask
-            )
-            for result, part in ((grads[1], weight_part), (grads[2], bias_part)):
-                if result is not None:
-                    result[block].copy_(part)
-            del weight_part, bias_part
-        del inputs_fp32
-    if output_mask[0]:
-        shape_of_inputs = _stand_in(inputs) if inputs.is_contiguous() else inputs.float()
-        total = None
-        for block in blocks:
-            part = backward(grad_of(block), shape_of_inputs, weight[block].float(), None, *arguments,
-                            [True, False, False])[0]  # fmt: skip
-            total = part if total is None else total.add_(part)
-            del part
-        del shape_of_inputs, whole, grad_of
-        grads[0] = torch.empty_like(inputs).copy_(total)
-        del total
+    if output_mask[1]:
+        grads[1] = torch.empty_like(weight, dtype=dtype)
+    if output_mask[2]:
+        grads[2] = weight.new_empty(weight.shape[0], dtype=dtype)
+    total = None
+    for block in blocks:
+        part_weight = weight[block].float()
+        sizes = None if bias_sizes is None else [part_weight.shape[0]]
+        parts = backward(grad[:, block].float(), inputs_fp32, part_weight, sizes, *arguments, output_mask)
+        del part_weight
+        if parts[0] is not None:
+            total = parts[0] if total is None else total.add_(parts[0])
+        for result, part in zip(grads[1:], parts[1:], strict=True):
+            if result is not None:
+                result[block].copy_(part)
+        del parts
+    del inputs_fp32
+    if total is not None:
+        grads[0] = total.to(dtype)
     return tuple(grads)
 
 
@@ -298,11 +416,6 @@ def _memory_format(tensor: torch.Tensor) -> torch.memory_format:
 
 def _up(tensor: torch.Tensor | None, block: slice = slice(None)) -> torch.Tensor | None:
     return None if tensor is None else tensor[block].float()
-
-
-def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
-    """An FP32 tensor of ``tensor``'s shape holding one element (its values are never read)."""
-    return torch.empty((), dtype=torch.float32).expand(tensor.shape)
 
 
 # --- choosing --------------------------------------------------------------------------------
@@ -343,8 +456,8 @@ def context_for(chosen: Mapping[str, str]) -> contextlib.AbstractContextManager:
 
 
 def active() -> bool:
-    """Whether an ``Fp32Arithmetic`` is on this thread's dispatch mode stack."""
-    return any(isinstance(mode, Fp32Arithmetic) for mode in _get_current_dispatch_mode_stack())
+    """Whether an ``Fp32Arithmetic`` is entered on this thread."""
+    return bool(_contexts())
 
 
 # glibc's mallopt parameters: (number, value, environment variable that sets it at start-up).
