@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from lowmem.config import compose
 from lowmem.libraries import configure_libraries
 from lowmem.profiler import account_activations, count_flops, measure_peak, profile_trainer
-from lowmem.run_files import save_bytes
+from lowmem.run.files import save_bytes
 from lowmem.techniques.cpu_compute import compute_context, summary
 from lowmem.trainer import build_trainer
 from recipes.wrn_cifar.model import WideResNet

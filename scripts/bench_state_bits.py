@@ -74,7 +74,7 @@ def state_bytes(overrides: list[str]) -> dict[int, dict[str, float]]:
 
 def planned_dc(budget_mb: float = 200.0) -> tuple[list[str], dict[int, dict[str, float]]]:
     """The 16-bit-state plan for DynamicConv within ``budget_mb``, re-accounted with 8- and 4-bit state."""
-    from lowmem.plan import plan_search
+    from lowmem.planning.budget import plan_search
 
     started = time.perf_counter()
     found = plan_search(["+recipe=dc_iwslt", "data=fake"], budget_mb, top=1, echo=False)

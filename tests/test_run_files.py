@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from lowmem.run_files import save_json, save_torch
+from lowmem.run.files import save_json, save_torch
 
 
 def test_failed_write_keeps_the_old_file(tmp_path):

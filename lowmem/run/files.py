@@ -19,6 +19,8 @@ from typing import IO, Any
 
 import torch
 
+from lowmem.run.refusals import RunRefused
+
 CONFIG = ".hydra/config.yaml"
 METRICS = "metrics.jsonl"
 RESULT = "result.json"
@@ -80,8 +82,6 @@ def read_checkpoint(path: str | os.PathLike, refusal: str) -> dict[str, Any]:
     """``path`` (a ``checkpoint.pt``) loaded on the CPU, weights only; a file that cannot be read
     (truncated, corrupt, not a lowmem checkpoint) raises ``RunRefused``: ``refusal``, which names
     the knob, followed by the file and why."""
-    from lowmem.cli_errors import RunRefused
-
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises RuntimeError, UnpicklingError, EOFError, ... by cause
