@@ -160,7 +160,8 @@ class SparsityConfig:
         "over rows of 2^15 entries (views into flat buffers whose size never changes; a checkpoint of the former "
         "int32 positions converts on load); gradients and optimizer state exist for the active entries only; the "
         "dense weight is built while its layer computes and never saved. `masked`: the report's dense weight and "
-        "bool mask (same draws, same FP64 results). A checkpoint resumes only with its own storage.",
+        "bool mask (same draws, same FP64 results; `tests/test_compact.py`). A checkpoint resumes only with its own "
+        "storage.",
     )
     include: Any = knob(
         None,

@@ -8,14 +8,16 @@ generated text in its place, so the reference cannot drift from the code.
 - ``<!-- config groups -->``: the values of each Hydra group (``conf/<group>/*.yaml``) with the
   comment at the top of each file;
 - ``<!-- profile fields -->``: the fields of ``lowmem.profile``'s JSON row
-  (``lowmem.profiler.step.ROW_FIELDS``).
+  (``lowmem.profiler.step.ROW_FIELDS``);
+- ``<!-- gpu reports -->``: a link to each report ``make gpu-report`` wrote into ``docs/measurements/``.
 
-``python scripts/docs_reference.py`` prints the three.
+``python scripts/docs_reference.py`` prints them.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
@@ -87,10 +89,25 @@ def profile_reference() -> str:
     return "| field | what it holds |\n|---|---|\n" + "\n".join(rows)
 
 
+REPORTS = Path(__file__).resolve().parents[1] / "docs" / "measurements"
+
+
+def gpu_reports() -> str:
+    """One line per GPU report, newest first, with the first line of its summary."""
+    lines = []
+    for path in sorted(REPORTS.glob("*.md"), reverse=True):
+        if path.name != "README.md":
+            device = next((line[len("- device: "):] for line in path.read_text().splitlines()
+                           if line.startswith("- device: ")), "")
+            lines.append(f"- [{path.stem}]({path.name}){': ' + device if device else ''}")
+    return "\n".join(lines) or "No GPU report yet."
+
+
 MARKERS = {
     "<!-- knobs -->": knob_reference,
     "<!-- config groups -->": group_reference,
     "<!-- profile fields -->": profile_reference,
+    "<!-- gpu reports -->": gpu_reports,
 }
 
 
