@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-translation test test-fast lint bench bench-accuracy gpu-check gpu-report fairseq clean-venv
+.PHONY: demo demo-translation test test-fast lint bench bench-accuracy gpu-check gpu-report fairseq docs clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,15 @@ $(FAIRSEQ_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,fairseq]'
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation fairseq-fixed==0.12.3.1
 	touch $(FAIRSEQ_STAMP)
+
+# The documentation site into site/ (mkdocs.yml): guides from docs/, the knob and profile references
+# generated from the code, the API from its docstrings. --strict: a broken link or missing page fails.
+DOCS_STAMP := $(VENV)/.docs
+docs: $(DOCS_STAMP)
+	$(PY) -m mkdocs build --strict --quiet
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -40,6 +40,8 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map_only, tree_unflatten
 
 from lowmem.config import ConfigError, validate
+from lowmem.knobs import check_overrides
+from lowmem.planning.budget import plan_search
 from lowmem.planning.search import compose_config
 from lowmem.recipe import RecipeData, TechniqueDefaults
 from lowmem.techniques.compact import use_dense_keys
@@ -178,6 +180,7 @@ def loop_config(overrides: Sequence[str], examples: int) -> DictConfig:
                 f"overrides: {knob} belongs to the command line's recipes and runs, not to lowmem.prepare "
                 "(it takes optim.*, sparsity.*, precision, microbatch.*, checkpointing.*, trainer.* knobs)"
             )
+    check_overrides(overrides)  # a misspelt knob: one line naming the closest ones
     return as_loop_config(compose_config(*loop_defaults(examples), *overrides))
 
 
@@ -313,8 +316,6 @@ def plan(
     ``"overrides"`` (knob=value strings for ``prepare``), ``"total_bytes"`` and the accounting.
     ``model`` is not modified (each configuration is built on a copy). Raises ConfigError when
     nothing fits, naming the smallest achievable figure."""
-    from lowmem.plan import plan_search
-
     if not isinstance(budget_mb, int | float) or isinstance(budget_mb, bool) or not math.isfinite(budget_mb):
         raise ConfigError(f"budget_mb={budget_mb!r} is not allowed: a finite number of MB > 0")
     task = LoopTask(loss_fn)

@@ -11,6 +11,7 @@ tokens for translation recipes.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from dataclasses import asdict, dataclass, field, is_dataclass
@@ -31,116 +32,309 @@ class ConfigError(ValueError):
     """A knob has a value that cannot work; the message names the knob and the allowed values."""
 
 
+def knob(default: Any, help: str) -> Any:
+    """A schema field and its help text, which the documentation's knob reference prints
+    (``lowmem.knobs``; a test fails on a knob without one). A list or dict default is copied per config."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class DataConfig:
-    name: str = MISSING  # chosen with `data=<name>`; each recipe lists the names it accepts
-    root: str = "data"  # where real data sets are read from / downloaded to
-    batch_size: int = 100  # minibatch: examples (vision) or target tokens (translation)
-    eval_batch_size: int = 500  # examples/tokens per evaluation batch (at most microbatch.size when set)
-    device: str = "auto"  # auto: the data set lives on the training device | cpu: in (pinned) host memory
-    train_size: int | None = None  # generated data only: number of training examples
-    test_size: int | None = None  # generated data only: number of test examples
-    image_size: int | None = None  # vision recipe: images resized to this side (None: the data set's own, 32)
-    src_lang: str = "de"
-    tgt_lang: str = "en"
+    """The data set and its batches (``data=<name>`` picks one of the recipe's data sets)."""
+
+    name: str = knob(
+        MISSING,
+        "The data set, chosen with `data=<name>`. `wrn_cifar` and `vision`: `digits` (the default: scikit-learn's "
+        "handwritten digits at 32x32x3, 1,297 train / 500 test images, no download), `cifar10` (downloaded and "
+        "checksummed into `data.root`), `fake` (generated, for tests). `dc_iwslt`: `phrases` (the default: a "
+        "German-English corpus generated with num2words and a small lexicon, 28,500 / 500 / 1,000 pairs), "
+        "`iwslt14` (prepared by `scripts/prepare_iwslt14.py`, or a fairseq `data-bin`), `fake` (the report's "
+        "dictionary sizes, IWSLT-like lengths).",
+    )
+    root: str = knob("data", "Where real data sets are read from and downloaded to.")
+    batch_size: int = knob(
+        100,
+        "The (global) minibatch: examples for vision recipes; target tokens for translation, as fairseq's "
+        "`--max-tokens` counts them (`dc_iwslt` sets 4000). Under data parallelism each of N ranks trains on "
+        "its 1/N share (it must divide evenly).",
+    )
+    eval_batch_size: int = knob(
+        500,
+        "Examples (tokens) per evaluation batch (`dc_iwslt` sets 4000); never more than `microbatch.size` when "
+        "microbatching is on, so evaluation (and beam search) needs no more memory than training.",
+    )
+    device: str = knob(
+        "auto",
+        "`auto`: the image data set lives on the training device as uint8 (fastest); `cpu`: in pinned host "
+        "memory, each minibatch copied over (when device memory matters more than the copy; on a CPU run it "
+        "changes nothing).",
+    )
+    train_size: int | None = knob(None, "Generated data only: the number of training examples (null: its default).")
+    test_size: int | None = knob(None, "Generated data only: the number of test examples (null: its default).")
+    image_size: int | None = knob(
+        None,
+        "`vision` recipe: the side, in pixels, images are resized to (each batch on its device, bilinear, after "
+        "augmentation; the data set stays 32x32). Null: 32. A model that cannot classify that size is refused at "
+        "start naming `data.image_size` and the smallest size that works.",
+    )
+    src_lang: str = knob("de", "Translation: the source language.")
+    tgt_lang: str = knob("en", "Translation: the target language.")
 
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"  # sgd | adam
-    lr: float = 0.1  # base learning rate, before `lr_mult`
-    lr_mult: float | None = None  # None: the recipe's table default for the configured density
-    momentum: float = 0.9
-    nesterov: bool = True
-    betas: tuple[float, float] = (0.9, 0.98)
-    eps: float = 1e-8
-    weight_decay: float = 5e-4
-    state_bits: int | None = None  # momentum / Adam moments: 32 | 16 | 8 | 4 bits (None: the precision's width)
-    state_block_size: int = 128  # 8- and 4-bit state: elements per quantization block (one FP32 scale each)
-    schedule: str = "multistep"  # multistep | inverse_sqrt | constant
-    milestones: list[int] = field(default_factory=lambda: [60, 120, 160])  # epochs (multistep)
-    gamma: float = 0.2  # multistep factor
-    warmup_updates: int = 4000  # inverse_sqrt
-    warmup_init_lr: float = 1e-7  # inverse_sqrt
+    """The optimizer, its learning-rate schedule and its state's width."""
+
+    name: str = knob("sgd", "`sgd` (momentum; WRN's) or `adam` (DynamicConv's); each recipe sets its own.")
+    lr: float = knob(0.1, "The base learning rate, before `optim.lr_mult`.")
+    lr_mult: float | None = knob(
+        None,
+        "Multiplier of `optim.lr`. Null: the report's table value for the configured density (Table 6 for WRN, "
+        "Table 7 for DynamicConv; printed at start).",
+    )
+    momentum: float = knob(0.9, "SGD's momentum.")
+    nesterov: bool = knob(True, "SGD: Nesterov momentum.")
+    betas: tuple[float, float] = knob((0.9, 0.98), "Adam's (beta1, beta2).")
+    eps: float = knob(1e-8, "Adam's epsilon.")
+    weight_decay: float = knob(5e-4, "Weight decay.")
+    state_bits: int | None = knob(
+        None,
+        "SGD's momentum and Adam's two moments: `32` (with `fp32`/`amp`) or `16` (with `fp16`/`bf16`) keeps them "
+        "in the weights' dtype, as the report does; `8` or `4` keeps them blockwise quantized, with any of "
+        "`fp32`, `amp`, `fp16`, `bf16`. Null: the precision's width. A checkpoint resumes only with its own width.",
+    )
+    state_block_size: int = knob(
+        128,
+        "8- and 4-bit state: values per quantization block (one FP32 scale each), a power of two from 16 to 4096; "
+        "128 is the largest that keeps 4-bit Adam's update error under 20% and the smallest that keeps 8-bit state "
+        "1.9x below 16-bit.",
+    )
+    schedule: str = knob(
+        "multistep",
+        "The learning-rate schedule: `multistep` (times `optim.gamma` at the epochs `optim.milestones`), "
+        "`inverse_sqrt` (DynamicConv's: linear warm-up, then the inverse square root of the update) or "
+        "`constant` (the default of `lowmem.prepare`).",
+    )
+    milestones: list[int] = knob(
+        [60, 120, 160], "`multistep`: the epochs at which the LR is multiplied by `optim.gamma`."
+    )
+    gamma: float = knob(0.2, "`multistep`: the LR's factor at each milestone.")
+    warmup_updates: int = knob(4000, "`inverse_sqrt`: updates of linear warm-up.")
+    warmup_init_lr: float = knob(1e-7, "`inverse_sqrt`: the LR the warm-up starts from.")
 
 
 @dataclass
 class SparsityConfig:
-    density: float = 1.0  # fraction of nonzeros in the sparsifiable layers; 1.0 = dense
-    rewire_fraction: float = 0.01377866  # of the sparsifiable weights, per rewiring (DSR's WRN default)
-    rewire_fraction_mult: float | None = None  # None: the recipe's table default for the density
-    rewire_freq_mult: float | None = None  # None: the recipe's table default for the density
-    init_threshold: float = 1e-3
-    storage: str = "compact"  # compact (values + positions) | masked (dense weight + bool mask, the report's)
-    include: Any = None  # any model: a pattern or list of patterns of the weights to sparsify (None: default rule)
-    exclude: Any = None  # any model: a pattern or list of patterns of weights to keep dense
+    """Dynamic sparse reparameterization (DSR): which weights are sparse, how many, how stored."""
+
+    density: float = knob(
+        1.0,
+        "Fraction of nonzeros in the sparsifiable layers (1.0: dense): WRN's 24 3x3 convolutions in its blocks, "
+        "DynamicConv's linear weights and embeddings, any other model's as `sparsity.include`/`exclude` choose. "
+        "WRN's sparse convolutions are drawn again He-normal (DSR's rule); DynamicConv and other models keep "
+        "their own initialisation (fairseq's Xavier-uniform linears, N(0, 1/d) embeddings, zero padding rows) "
+        "with the inactive entries zeroed, as the dense model has it, so a density sweep compares densities under "
+        "one initialisation. A checkpoint resumes only with its own density.",
+    )
+    rewire_fraction: float = knob(
+        0.01377866,
+        "N_p, the weights DSR aims to prune and regrow per rewiring, as a fraction of the sparsifiable weights "
+        "(DSR's WRN setting: 20,000 / 1,451,520).",
+    )
+    rewire_fraction_mult: float | None = knob(
+        None, "Multiplier of `sparsity.rewire_fraction`. Null: the report's table value for the density (Table 8 / 9)."
+    )
+    rewire_freq_mult: float | None = knob(
+        None,
+        "Multiplier of the rewiring frequency (k: every period/k updates). Null: the report's table value for the "
+        "density (Table 8 / 9).",
+    )
+    init_threshold: float = knob(
+        1e-3, "DSR's initial global pruning threshold (halved or doubled after each rewiring)."
+    )
+    storage: str = knob(
+        "compact",
+        "`compact`: each sparse weight is stored as its active values and their positions, int16 column indices "
+        "over rows of 2^15 entries (views into flat buffers whose size never changes; a checkpoint of the former "
+        "int32 positions converts on load); gradients and optimizer state exist for the active entries only; the "
+        "dense weight is built while its layer computes and never saved. `masked`: the report's dense weight and "
+        "bool mask (same draws, same FP64 results; `tests/test_compact.py`). A checkpoint resumes only with its own "
+        "storage.",
+    )
+    include: Any = knob(
+        None,
+        "Any model: a shell-style pattern or a list of patterns over parameter names naming exactly the weights to "
+        "sparsify (`sparsity.include='layer*.conv*.weight'`): Linear, Conv1d/2d/3d, Embedding and `transformers` "
+        "`Conv1D` weights. Null: every `nn.Linear`, `nn.Conv1d/2d/3d` and `Conv1D` weight except the model's first "
+        "and last layer (`lowmem/techniques/targets.py`); the built-in recipes name their own.",
+    )
+    exclude: Any = knob(
+        None,
+        "Any model: a pattern or a list of patterns of weights to keep dense "
+        "(`sparsity.exclude=[fc.weight,'*.downsample.*']`).",
+    )
 
 
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"  # fp32 | fp16 | bf16 | amp | fp64 (reference runs) — chosen with `precision=<name>`
-    stochastic_rounding: bool = False  # fp16/bf16: stochastic rounding of the weight write-back
-    init_scale: float = 65536.0  # fp16: initial dynamic loss scale
-    growth_interval: int = 2000  # fp16: clean steps before the loss scale doubles
-    # auto | native | fp32: 16-bit convolutions and matrix products on a CPU in its native 16-bit
-    # kernels or in FP32 (rounded once); auto probes which is faster (lowmem.techniques.cpu_compute)
-    cpu_compute: str = "auto"
+    """The number format of weights, gradients, optimizer state and activations (``precision=<name>``)."""
+
+    name: str = knob(
+        "fp32",
+        "Chosen with `precision=<name>`: `fp32`; `fp16` (pure: weights, gradients, optimizer state and "
+        "activations in FP16, no FP32 master copy, dynamic loss scaling, normalization layers in FP32); `bf16` "
+        "(pure); `amp` (autocast with FP32 master weights: the conventional peer); `fp64` (reference runs for "
+        "equivalence tests).",
+    )
+    stochastic_rounding: bool = knob(False, "`fp16`/`bf16`: round each weight update to 16 bits stochastically.")
+    init_scale: float = knob(65536.0, "`fp16`: the dynamic loss scale's initial value.")
+    growth_interval: int = knob(2000, "`fp16`: steps without overflow before the loss scale doubles.")
+    cpu_compute: str = knob(
+        "auto",
+        "On a CPU, where 16-bit convolutions and matrix products are computed: `native` (PyTorch's 16-bit kernels, "
+        "20-200x slower than FP32 on CPUs without AVX-512-BF16/AMX), `fp32` (the 16-bit operands computed in FP32, "
+        "each result rounded once to 16 bits, as a GPU does: FP32's speed; stored tensors stay 16-bit), `auto` "
+        "(per kind of op, native only where a probe timed once per process shows it clearly faster; "
+        "`lowmem/techniques/cpu_compute.py`). No effect on CUDA.",
+    )
 
 
 @dataclass
 class MicrobatchConfig:
-    size: int | None = None  # None: no microbatching (one pass over the minibatch)
-    mode: Any = "true"  # true | simulated (Hydra reads `true` as a boolean; both are accepted)
+    """Splitting each minibatch into microbatches."""
+
+    size: int | None = knob(
+        None,
+        "Examples per microbatch (tokens for translation; the longest sentence must fit), at most "
+        "`data.batch_size`. Null: no microbatching (one pass over the minibatch).",
+    )
+    mode: Any = knob(
+        "true",
+        "`true`: microbatches run one after another, gradients accumulated, each loss weighted by its share of the "
+        "examples (cuts activation memory); `simulated`: one pass over the minibatch, BatchNorm statistics per "
+        "group of `microbatch.size` (needs BatchNorm). Hydra reads `true` as a boolean; both are accepted.",
+    )
 
 
 @dataclass
 class CheckpointingConfig:
-    strategy: str = "none"  # none | no_bn | residual | residual_star | optimal
-    every: int = 1  # residual strategies: keep the output of every m-th residual block
-    budget_mb: float | None = None  # optimal only (required there): most accounted activation MB (1e6 bytes)
-    blocks: Any = None  # any model: module path(s) or a block class name (None: detected)
+    """Activation checkpointing: which activations backward gets by recomputation."""
+
+    strategy: str = knob(
+        "none",
+        "`none`; `no_bn` (BatchNorm-ReLU outputs recomputed, never a convolution); `residual` (segments of "
+        "`checkpointing.every` blocks recomputed as one graph); `residual_star` (the report's recursive schedule, "
+        "BatchNorm-ReLU recomputed); `optimal` (the placement with the fewest FLOPs within "
+        "`checkpointing.budget_mb`, by dynamic programming). On any model: over its detected chains of blocks "
+        "(`checkpointing.blocks`).",
+    )
+    every: int = knob(
+        1, "`residual`, `residual_star`: blocks per checkpointed segment (every m-th block's output kept)."
+    )
+    budget_mb: float | None = knob(
+        None,
+        "`optimal` only (an error with any other strategy, and required there): the most accounted activation MB "
+        "(1e6 bytes) of a minibatch; the fewest-FLOPs schedule within it is chosen at start, and a budget no "
+        "schedule reaches fails at start naming the smallest reachable figure.",
+    )
+    blocks: Any = knob(
+        None,
+        "The blocks to checkpoint, when detection is not wanted: module paths (a container's children are its "
+        "blocks: `checkpointing.blocks=[layer3,layer4]`) or one block class name (`checkpointing.blocks=BasicBlock`)."
+        " Null: a model that declares residual blocks (the built-in recipes) uses them; any other model's chains "
+        "of blocks are detected.",
+    )
 
 
 @dataclass
 class TrainerConfig:
-    epochs: int = 200
-    max_steps: int | None = None  # stop after this many minibatches (smoke runs)
-    seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    resume: str | None = None  # a run directory holding checkpoint.pt
-    log_every: int = 50  # minibatches between progress lines / metrics.jsonl step records
-    progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | none
-    num_threads: int | None = None  # CPU threads for torch (None: torch's default)
-    sync_batchnorm: bool = False  # data parallel: SyncBatchNorm instead of per-rank statistics
-    cuda_graphs: str = "auto"  # auto (CUDA, one process: repeating microbatches captured + replayed) | off
-    workspaces: str = "default"  # CUDA libraries' scratch memory: default | capped (lowmem/libraries.py)
-    deterministic: bool = False  # repeat bit for bit on CUDA too (deterministic kernels only)
+    """The run: its length, device, resumption, logging and the CUDA libraries' settings."""
+
+    epochs: int = knob(200, "Training length in epochs (each recipe sets its own).")
+    max_steps: int | None = knob(None, "Stop after this many minibatches (null: every epoch).")
+    seed: int = knob(0, "The run's random seed.")
+    device: str = knob("auto", "`auto` (CUDA when present, else the CPU), `cpu`, `cuda` or `cuda:N`.")
+    resume: str | None = knob(
+        None,
+        "A run directory: continue from its `checkpoint.pt` (with the same `recipe`, `model.*`, `precision`, "
+        "`optim.name`, `optim.state_bits` and `sparsity.density`, `storage`, `include`, `exclude`; knobs that do "
+        "not change the state, such as `trainer.epochs` or `microbatch.*`, may change).",
+    )
+    log_every: int = knob(50, "Minibatches between progress lines and `metrics.jsonl` step records.")
+    progress: str = knob(
+        "auto", "`auto` (a tqdm bar on a terminal, plain log lines otherwise), `bar`, `lines` or `none`."
+    )
+    num_threads: int | None = knob(None, "CPU threads for torch (null: torch's default).")
+    sync_batchnorm: bool = knob(False, "Data parallel: `SyncBatchNorm` instead of per-rank BatchNorm statistics.")
+    cuda_graphs: str = knob(
+        "auto",
+        "`auto`: on CUDA in one process, each microbatch shape that repeats is captured once (forward, loss "
+        "scaling, backward, checkpointing's recomputation) as a CUDA graph and replayed; other shapes, "
+        "data-parallel runs, `precision=amp` and CPU runs go eagerly. `off`: always eager "
+        "(`lowmem/techniques/replay.py`).",
+    )
+    workspaces: str = knob(
+        "default",
+        "CUDA libraries' scratch memory: `default`, or `capped`: cuBLAS (`CUBLAS_WORKSPACE_CONFIG=:16:8`), "
+        "cuBLASLt (128 KiB) and cuDNN's convolution algorithms (at most 4 MiB of workspace) limited, for runs "
+        "whose whole budget is a few MB; possibly slower kernels (`lowmem/libraries.py`). Set before the first "
+        "CUDA call of the process; variables you set yourself are kept.",
+    )
+    deterministic: bool = knob(
+        False,
+        "Deterministic kernels only (`torch.use_deterministic_algorithms`, cuDNN deterministic, a reproducible "
+        "cuBLAS workspace): a CUDA run then repeats bit for bit, and a resumed one ends as the uninterrupted one "
+        "(CPU runs do anyway).",
+    )
 
 
 @dataclass
 class LoggerConfig:
-    name: str = "none"  # none | wandb
-    project: str = "lowmem"
-    mode: str = "offline"  # wandb mode: offline | online | disabled
+    """Where metrics go besides `metrics.jsonl` (``logger=<name>``)."""
+
+    name: str = knob(
+        "none", "Chosen with `logger=<name>`: `none`, or `wandb` (the same metrics to Weights & Biases)."
+    )
+    project: str = knob("lowmem", "`wandb`: the project.")
+    mode: str = knob("offline", "`wandb`: `offline`, `online` or `disabled`.")
 
 
 @dataclass
 class ProfileConfig:
-    measure_peak: bool = True  # lowmem.profile: also run one real step for the measured peak
+    """`python -m lowmem.profile`."""
+
+    measure_peak: bool = knob(
+        True, "Also run one real step for the measured peak (false: the accounting and FLOPs only, on fake tensors)."
+    )
 
 
 @dataclass
 class PlanConfig:
-    budget_mb: float | None = None  # lowmem.plan (required): the accounted total to fit, MB (1e6 bytes)
-    verify: bool = False  # lowmem.plan: also measure the chosen configuration's real peak (one real step)
-    top: int = 10  # lowmem.plan: rows of the table of configurations that fit
+    """`python -m lowmem.plan`."""
+
+    budget_mb: float | None = knob(
+        None, "Required: the accounted total plus the step's temporaries to fit, in MB (1e6 bytes)."
+    )
+    verify: bool = knob(
+        False,
+        "Also run one real step of the chosen configuration; one whose measured peak exceeds the budget is skipped.",
+    )
+    top: int = knob(10, "Rows of the table of configurations that fit.")
 
 
 @dataclass
 class Config:
-    recipe: str = MISSING  # chosen with `+recipe=<name>`
+    """Every knob of `lowmem.train`, `lowmem.profile`, `lowmem.plan` and `lowmem.prepare`."""
+
+    recipe: str = knob(
+        MISSING,
+        "Chosen with `+recipe=<name>`: `wrn_cifar` (WRN-28-2, image classification), `dc_iwslt` (DynamicConv, "
+        "German-English translation) or `vision` (any image classifier: torchvision's by name, or your own class).",
+    )
     data: DataConfig = field(default_factory=DataConfig)
-    model: dict[str, Any] = field(default_factory=dict)  # recipe-specific; the recipe checks the keys
+    model: dict[str, Any] = knob({}, "The recipe's model: its keys are the recipe's (`conf/recipe/<name>.yaml`).")
     optim: OptimConfig = field(default_factory=OptimConfig)
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)

@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from lowmem.run_files import METRICS, append_jsonl
+from lowmem.run.files import METRICS, append_jsonl
 
 log = logging.getLogger("lowmem")
 

@@ -24,10 +24,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lowmem import distributed
-from lowmem.cli_errors import one_line_errors
 from lowmem.config import register_configs
 from lowmem.profiler import profile_row
-from lowmem.run_files import save_json
+from lowmem.run.command import one_line_errors, refuse_unknown_knobs
+from lowmem.run.files import save_json
 from lowmem.trainer import build_trainer, resolve_device
 
 register_configs()
@@ -64,4 +64,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_unknown_knobs()
     sys.exit(main())

@@ -48,7 +48,7 @@ from typing import Any
 
 import yaml
 
-from lowmem.run_files import RESULT, save_bytes
+from lowmem.run.files import RESULT, save_bytes
 
 log = logging.getLogger("lowmem.report")
 
@@ -396,7 +396,7 @@ def write_report(
 ) -> tuple[list[Row], str]:
     """Gather, tabulate, write ``pareto.md`` and ``pareto.png`` (atomically) into ``out``
     (default: ``directory``); return the rows and the metric name."""
-    from lowmem.report_plot import plot_pareto
+    from lowmem.report_plot import plot_pareto  # matplotlib: imported when a plot is drawn
 
     runs = find_runs(directory)
     if not runs:

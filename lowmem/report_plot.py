@@ -14,18 +14,27 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-if TYPE_CHECKING:
-    from lowmem.report import Row
-
 MEGABYTE = 1e6
 DPI = 150
 MARKERS = {"dense": "s", "sparse": "o", "narrow": "^", "shallow": "v"}
+
+
+class Row(Protocol):
+    """What the plot reads of a configuration (``lowmem.report.Row`` has it)."""
+
+    family: str  # sparse / narrow / shallow / dense: one marker family each
+    memory_bytes: float  # the report's accounting
+    peak_bytes: int | None  # measured
+    mean: float  # the metric over seeds
+    half_width: float | None  # 95% confidence interval's half-width
+    pareto: bool
+    baseline: bool
 
 
 def plot_pareto(rows: Sequence[Row], metric: str, title: str) -> bytes:

@@ -16,10 +16,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from lowmem import distributed, hydra_records
-from lowmem.cli_errors import one_line_errors
+from lowmem import distributed
 from lowmem.config import ConfigError, register_configs
-from lowmem.run_files import CHECKPOINT, RESULT, read_checkpoint
+from lowmem.run import records
+from lowmem.run.command import one_line_errors, refuse_unknown_knobs
+from lowmem.run.files import CHECKPOINT, RESULT, read_checkpoint
 
 log = logging.getLogger("lowmem")
 register_configs()
@@ -73,10 +74,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
             else None
         )
     except ConfigError:
-        hydra_records.restore(run_dir)  # the refused job's .hydra files must not replace the run's
+        records.restore(run_dir)  # the refused job's .hydra files must not replace the run's
         raise
     if state == "finished":
-        hydra_records.restore(run_dir)
+        records.restore(run_dir)
         log.info("%s already holds the finished result of this configuration: skipped", run_dir)
         return json.loads((run_dir / RESULT).read_text())
     distributed.init_from_environment(resolve_device(cfg.trainer.device))
@@ -128,5 +129,6 @@ def quiet_hydra_on_other_ranks() -> None:
 
 
 if __name__ == "__main__":
+    refuse_unknown_knobs()
     quiet_hydra_on_other_ranks()
     sys.exit(main())

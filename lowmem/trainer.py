@@ -23,7 +23,6 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lowmem import distributed, kernels
-from lowmem.cli_errors import RunRefused
 from lowmem.config import ConfigError, microbatch_mode, name_list, state_width, validate
 from lowmem.libraries import configure_libraries
 from lowmem.metrics_log import MetricsLog, Progress
@@ -31,7 +30,7 @@ from lowmem.planning.optimal import apply_optimal_checkpointing
 from lowmem.profiler import profile_trainer, track_peak
 from lowmem.profiler.step import data_tensors
 from lowmem.recipe import Recipe, RecipeData, TechniqueDefaults, get_recipe
-from lowmem.run_files import (
+from lowmem.run.files import (
     CHECKPOINT,
     METRICS,
     MODEL,
@@ -43,6 +42,7 @@ from lowmem.run_files import (
     save_json,
     save_torch,
 )
+from lowmem.run.refusals import RunRefused
 from lowmem.schedules import learning_rate
 from lowmem.signals import Interrupted, StopOnSignal
 from lowmem.techniques.checkpointing import apply_checkpointing

@@ -17,12 +17,12 @@ import argparse
 import contextlib
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from lowmem.config import compose
+from lowmem.run.files import measured_on
 from lowmem.techniques.cpu_compute import Fp32Arithmetic, reuse_freed_memory
 from lowmem.trainer import build_trainer
 
@@ -88,10 +88,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-native-steps", action="store_true", help="skip the native BF16 steps")
     args = parser.parse_args()
+    print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
     reuse_freed_memory()  # as every run computing in FP32 has it
-    flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx512", "amx"))})
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; flags {' '.join(flags) or 'none'}; "
-          f"torch {torch.__version__}; {_threads} threads for steps\n")  # fmt: skip
+    print(f"{_threads} threads for steps\n")
     print("| dtype, way | ops (1 thread, median of 5) |\n|---|---|")
     print("\n".join(op_rows()))
     print("\n| model | configuration | step s (median of 4) | vs FP32 | cpu_compute |\n|---|---|---|---|---|")

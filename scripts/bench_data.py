@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from lowmem.run.files import measured_on  # noqa: E402
 from recipes.wrn_cifar.data import DeviceBatches, channel_stats  # noqa: E402
 from recipes.wrn_cifar.model import WideResNet  # noqa: E402
 
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed WRN training steps first")
     parser.add_argument("--rewirings", type=int, default=5, help="timed DSR rewirings")
     args = parser.parse_args()
+    print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
 
     pipeline = pipeline_images_per_second(args.images)
     model = model_images_per_second(args.steps, args.warmup)

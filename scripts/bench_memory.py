@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from lowmem.config import compose
 from lowmem.libraries import configure_libraries
 from lowmem.profiler import account_activations, count_flops, measure_peak, profile_trainer
-from lowmem.run_files import save_bytes
+from lowmem.run.files import measured_on, save_bytes
 from lowmem.techniques.cpu_compute import compute_context, summary
 from lowmem.trainer import build_trainer
 from recipes.wrn_cifar.model import WideResNet
@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="WRN-10-1 on 200 fake images: the rows in seconds")
     parser.add_argument("--json", help="also write the rows here (bytes, seconds, FLOPs)")
     args = parser.parse_args(argv)
+    print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
     global WRN, WORKSPACES, BATCH
     WORKSPACES = args.workspaces
     if args.tiny:

@@ -35,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lowmem.run.files import measured_on  # noqa: E402
+
 MB = 1e6
 BITS = (16, 8, 4)
 DC = ["+recipe=dc_iwslt", "data=fake", "precision=fp16", "sparsity.density=0.5"]
@@ -74,7 +76,7 @@ def state_bytes(overrides: list[str]) -> dict[int, dict[str, float]]:
 
 def planned_dc(budget_mb: float = 200.0) -> tuple[list[str], dict[int, dict[str, float]]]:
     """The 16-bit-state plan for DynamicConv within ``budget_mb``, re-accounted with 8- and 4-bit state."""
-    from lowmem.plan import plan_search
+    from lowmem.planning.budget import plan_search
 
     started = time.perf_counter()
     found = plan_search(["+recipe=dc_iwslt", "data=fake"], budget_mb, top=1, echo=False)
@@ -212,6 +214,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_state_bits")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
+    print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
     figures = {}
     if args.part in ("bytes", "all"):
         figures["bytes"] = bytes_part()

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lowmem  # noqa: E402
 from lowmem.profiler import measure_peak  # noqa: E402
+from lowmem.run.files import measured_on  # noqa: E402
 from tests.helpers import classification_loss, lm_loss, tiny_gpt  # noqa: E402
 
 MB = 1e6
@@ -145,6 +146,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="benchmark the models whose name contains this")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
     rows = []
     for name, (make_model, batch, loss_fn) in models(args.batch).items():
         if args.only is None or args.only in name:

@@ -22,10 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import lowmem  # noqa: E402
+from lowmem.run.files import measured_on  # noqa: E402
 from tests.test_budget_real_models import CPU, MODELS  # noqa: E402
 
 
 def main() -> None:
+    print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
     warnings.filterwarnings("ignore")
     print("| model | budget (MB) | chosen | accounted + step temporaries (MB) | measured peak (MB) | peak / budget |")
     print("|---|---|---|---|---|---|")

@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lowmem.run.files import measured_on  # noqa: E402
 from tests.test_conformance import CASES, MODELS, conformance  # noqa: E402
 
 
@@ -26,6 +27,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the table here")
     args = parser.parse_args()
+    print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
     warnings.filterwarnings("ignore")
     began = time.perf_counter()
     header = "| model | " + " | ".join(case.name for case in CASES) + " |"

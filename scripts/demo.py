@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from lowmem.run.files import measured_on
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SHORT_RUN = [
@@ -57,6 +59,7 @@ def main() -> None:
     parser.add_argument("--only-baseline", action="store_true", help="train the dense FP32 baseline only")
     parser.add_argument("--tiny", action="store_true", help="WRN-10-1 on fake data, 4 steps: the path in seconds")
     args = parser.parse_args()
+    print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
     if args.tiny:
         args.epochs = 1
     sixteen_bit = "fp16" if _cuda() else "bf16"

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from lowmem.run.files import measured_on
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_MODEL = [
     "model.encoder_layers=3",
@@ -46,6 +48,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--out", default=str(ROOT / "outputs" / "demo_translation"))
     args = parser.parse_args()
+    print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
     overrides = [
         *SMALL_MODEL,
         "data=phrases",

@@ -25,6 +25,7 @@ from lowmem.config import compose  # noqa: E402
 from lowmem.planning.optimal import CheckpointPlacement  # noqa: E402
 from lowmem.planning.schedule import describe  # noqa: E402
 from lowmem.profiler import MB, profile_trainer  # noqa: E402
+from lowmem.run.files import measured_on  # noqa: E402
 from lowmem.techniques.checkpointing import apply_checkpointing  # noqa: E402
 from lowmem.trainer import build_trainer  # noqa: E402
 
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "optimal_checkpointing.png")
     parser.add_argument("--points", type=int, default=24, help="budgets on the grid")
     args = parser.parse_args()
+    print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
 
     trainer = build_trainer(compose("+recipe=wrn_cifar", "data=fake", "data.batch_size=100", "precision=fp32"))
     fixed = {}

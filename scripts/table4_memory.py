@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from lowmem.config import compose  # noqa: E402
 from lowmem.profile import profile_config  # noqa: E402
+from lowmem.run.files import measured_on  # noqa: E402
 
 MICRO = ("microbatch.size=250", "microbatch.mode=true", "checkpointing.strategy=residual", "checkpointing.every=1")
 ROWS = [  # (label, report MB, overrides): SPEC §4 Table 4
@@ -30,6 +31,7 @@ OPS = ("current", "pytorch_1_0")
 
 
 def main() -> None:
+    print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
     base = ("+recipe=dc_iwslt", "data=fake")
     print("| row | report | lowmem, today's operators | lowmem, PyTorch 1.0.1's operators |")
     print("|---|---|---|---|")

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from lowmem.run.files import measured_on
+
 ROOT = Path(__file__).resolve().parents[1]
 # The smallest model of each family of torchvision.models.list_models(module=torchvision.models).
 FAMILIES = {
@@ -77,6 +79,7 @@ def main() -> int:
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--out", help="also write the table here")
     args = parser.parse_args()
+    print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
     chosen = {name: name for name in args.models.split(",")} if args.models else FAMILIES
     lines = [f"| family | model | image size | outcome ({args.precision}, density 0.3, microbatches of 2, "
              "residual_star every 2) | time (s) |", "|---|---|---|---|---|"]

@@ -19,6 +19,7 @@ import warnings
 
 from torch import nn
 
+from lowmem.run.files import measured_on
 from recipes.vision.models import forward_error, model_constructor, probe, torchvision_classifiers
 from recipes.wrn_cifar.data import IMAGE_SIZE, NUM_CLASSES
 
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--models", help="comma-separated names (default: all of torchvision's classifiers)")
     parser.add_argument("--verify", action="store_true", help="confirm the boundary sizes with real forwards")
     args = parser.parse_args()
+    print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
     warnings.filterwarnings("ignore", category=UserWarning)
     names = args.models.split(",") if args.models else torchvision_classifiers()
     print(

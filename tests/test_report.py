@@ -17,7 +17,7 @@ import pytest
 
 import lowmem.profile
 from lowmem.report import mean_confidence, pareto_flags, write_report
-from lowmem.run_files import save_json
+from lowmem.run.files import save_json
 from tests.helpers import ROOT
 
 # t_{0.975, df} from a printed Student-t table (df = seeds - 1).

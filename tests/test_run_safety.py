@@ -21,10 +21,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lowmem.cli_errors import RunRefused
 from lowmem.config import ConfigError, validate
-from lowmem.run_files import read_checkpoint
-from lowmem.run_lock import LOCK_FILE, acquire, release_all
+from lowmem.run.files import read_checkpoint
+from lowmem.run.lock import LOCK_FILE, acquire, release_all
+from lowmem.run.refusals import RunRefused
 from lowmem.train import run
 from tests.helpers import ROOT, SMALL_DC, TINY_WRN, make_config
 
@@ -127,7 +127,7 @@ def test_a_truncated_checkpoint_through_the_command_line(tmp_path):
 
 def test_a_locked_run_directory_is_refused_and_a_dead_owners_lock_taken_over(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from lowmem.run_lock import acquire; acquire(sys.argv[1]); "
+        [sys.executable, "-c", "import sys, time; from lowmem.run.lock import acquire; acquire(sys.argv[1]); "
          "print('locked', flush=True); time.sleep(120)", str(tmp_path / "run")],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )
@@ -265,7 +265,7 @@ def test_dynamicconv_resumed_into_a_new_directory_ends_bit_identical(tmp_path):
 
 
 def test_a_recipes_missing_data_is_a_refusal():
-    from lowmem.cli_errors import is_refusal
+    from lowmem.run.refusals import is_refusal
     from recipes.wrn_cifar.data import DataUnavailableError
 
     assert is_refusal(DataUnavailableError("CIFAR-10 is not in data")) and is_refusal(RunRefused("x"))

@@ -15,6 +15,53 @@ from torch.utils._pytree import tree_leaves
 
 from lowmem.profiler.report import MemoryReport, Microbatch, profile_step
 
+# Every field of the JSON row (``python -m lowmem.profile``'s last stdout line, ``profile.json``,
+# ``run.profile()``): what it holds. The documentation's reference is generated from this table, and
+# a test fails when the row has a field it does not describe. MB in the text is 1e6 bytes.
+ROW_FIELDS = {
+    "model_bytes": "The report's accounting: parameter bytes, sparse weights as CSR (values and column indices).",
+    "optimizer_bytes": "The report's accounting: gradients plus optimizer state (SGD: momentum; Adam: two moments).",
+    "optimizer_state_bytes": "The optimizer state alone (part of `optimizer_bytes`): codes and scales when "
+    "`optim.state_bits` is 8 or 4.",
+    "activation_bytes": "The report's accounting: the most bytes backward needs at once, over forward and backward "
+    "(saved tensors, recomputation included, each storage once, ReLU's at 1 bit, plus the activation gradients "
+    "alive by the report's node-by-node rule), for the largest microbatch.",
+    "total_bytes": "`model_bytes` + `optimizer_bytes` + `activation_bytes`: the report's figure.",
+    "activation_at_peak": "`activation_bytes` by kind (saved, recomputed, gradient) at the activation peak.",
+    "activation_location": "Where the activation peak happens (the module and the pass).",
+    "activation_saved_bytes": "The most saved-for-backward bytes alive at once (no gradients).",
+    "activation_stored_before_backward": "Saved-for-backward bytes when backward starts (the checkpoints, if any).",
+    "activation_held_bytes": "The same tensors' peak as this run's autograd really held them (every gradient until "
+    "its storage dies).",
+    "graph_pool_bytes": "With CUDA graph replay: the replayed microbatches' accounted activations, held in the "
+    "graphs' private pool for the run (0: nothing replays).",
+    "total_with_graph_pool_bytes": "Model + optimizer + graph pool + the eagerly run microbatches' activations on top "
+    "of it (equal to `total_bytes` when nothing replays).",
+    "step_temporary_bytes": "What a real step holds beyond the accounting: compact sparse positions as stored, a "
+    "compact layer's dense weight, gradient accumulation over microbatches, the largest forward op's outputs.",
+    "step_temporaries": "`step_temporary_bytes` by cause.",
+    "budget_total_bytes": "`total_with_graph_pool_bytes` + `step_temporary_bytes`: the figure `lowmem.plan` and "
+    "`checkpointing.budget_mb` compare with a budget.",
+    "peak_bytes": "The measured peak of one real training step on the device (CUDA: the allocator's "
+    "`max_memory_allocated`, plus the graph pool's unused reserve; CPU: lowmem's tensor tracker); null with "
+    "`profile.measure_peak=false`.",
+    "peak_source": "How the peak was measured: `cuda allocator` or `cpu tensor tracker`.",
+    "peak_breakdown": "The measured peak by category: data, workspaces, graph_pool, parameters, gradients, "
+    "optimizer_state, saved_activations, temporary, other.",
+    "peak_location": "Where the measured peak happened.",
+    "flops": "FLOPs of one minibatch: forward + backward + recomputation.",
+    "params": "Parameters, counted dense.",
+    "nonzero_params": "Parameters counting only the active positions of sparse weights.",
+    "seconds": "Time spent per measurement (accounting and FLOPs, the measured step).",
+    "batch_shapes": "The profiled minibatch's tensor shapes by key: the global minibatch (each rank under torchrun "
+    "profiles its share).",
+    "device": "The training device.",
+    "cpu_compute": "`precision.cpu_compute` and what it chose per kind of op.",
+    "torch": "torch's version.",
+    "rank": "`python -m lowmem.profile` only: this process's rank (0 without torchrun).",
+    "world_size": "`python -m lowmem.profile` only: the number of ranks.",
+}
+
 
 def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> MemoryReport:
     """Profile one minibatch of ``trainer``: ``batch``, by default its first (``example_batch``);

@@ -13,7 +13,7 @@ ReLU stays with the layer whose output it changes); the runs are the chain's blo
 ``apply_activation_checkpointing`` wraps modules, without touching the user's class, module tree,
 parameter names or state-dict keys; the model's own forward keeps calling its blocks as before.
 
-How a chain runs is its *plan*: one ``Segment`` (``lowmem.techniques.checkpointing``) per block,
+How a chain runs is its *plan*: one ``Segment`` (``lowmem.techniques.recomputation``) per block,
 shared by consecutive blocks of one segment. ``stored`` blocks run plainly. In a checkpointed
 segment each block call becomes one ``_ChainedBlock`` autograd node: the segment's first block
 saves its input, the others save nothing of the activation they receive (only their context,
@@ -70,9 +70,17 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lowmem.techniques import checkpointing as ckpt
+from lowmem.residual import residual_stacks
 from lowmem.techniques.block_checks import OutputFingerprint, argument_state, has_values
 from lowmem.techniques.norm_routing import route_norm_relu_conv, routed_forward
+from lowmem.techniques.recomputation import (
+    Segment,
+    _AutocastState,
+    _hold,
+    _recomputation_input,
+    _RngState,
+    scratch_running_stats,
+)
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList)
 _RUNNERS = "_lowmem_block_chains"  # attribute of the root model: its ChainRunners
@@ -397,7 +405,7 @@ class ChainRunner:
             self.forwards.append(forward)
         if chain.container is not None:
             chain.container.forward = _LayerRuns(self.blocks)
-        self.plan: list[tuple[int, ckpt.Segment]] | None = None  # per block: (segment number, segment)
+        self.plan: list[tuple[int, Segment]] | None = None  # per block: (segment number, segment)
         self.observer: Callable | None = None  # the planner's recorder (lowmem.planning.measure)
         self._last: _Last | None = None
 
@@ -410,7 +418,7 @@ class ChainRunner:
         if self.chain.container is not None:
             self.chain.container.__dict__.pop("forward", None)
 
-    def set_segments(self, segments: Sequence[ckpt.Segment] | None) -> None:
+    def set_segments(self, segments: Sequence[Segment] | None) -> None:
         """Run the blocks in ``segments`` (covering the chain exactly), or plainly (None)."""
         self._last = None
         if segments is None or all(s.backprop == "stored" for s in segments):
@@ -464,8 +472,8 @@ class _BlockCall:
         self.skeleton = [None if t else leaf for t, leaf in zip(self.is_tensor, leaves, strict=True)]
         self.num_context = sum(self.is_tensor)
         self.ctx: weakref.ref | None = None  # the autograd node's ctx, for its saved tensors
-        self.rng = ckpt._RngState(x.device)
-        self.autocast = ckpt._AutocastState.capture(x.device)
+        self.rng = _RngState(x.device)
+        self.autocast = _AutocastState.capture(x.device)
         self.shape = (tuple(x.shape), x.dtype, x.device)  # the key of the once-per-shape checks
         self.output_spec = None  # tree spec of the block's output
         self.output_is_tensor: list[bool] = []  # per leaf of the output
@@ -587,7 +595,7 @@ class _Runtime:
     def recompute(self, call: _BlockCall, x: torch.Tensor, context: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run ``call`` again as it ran in forward (RNG, autocast; BatchNorm statistics to scratch);
         its output tensors, checked against the forward's the first time for an input shape."""
-        with call.rng.replayed(), call.autocast.restore(), ckpt.scratch_running_stats(call.block().modules()):
+        with call.rng.replayed(), call.autocast.restore(), scratch_running_stats(call.block().modules()):
             tensors = call.output_tensors(call.run(x, context))
         call.check_recomputation(tensors)
         return tensors
@@ -603,8 +611,8 @@ class _Runtime:
             for p in range(start, position):
                 x = self.recompute(self.calls[p], x, self.calls[p].saved()[1])[0]
                 if p + 1 < position:
-                    leaf, _ = ckpt._recomputation_input(x, requires_grad=True)
-                    self.held[p + 1] = (x, ckpt._hold(leaf))
+                    leaf, _ = _recomputation_input(x, requires_grad=True)
+                    self.held[p + 1] = (x, _hold(leaf))
         return x
 
     def build_graphs(self, upto: int) -> None:
@@ -613,8 +621,8 @@ class _Runtime:
         x = self.calls[0].saved()[0]
         for position in range(upto + 1):
             call = self.calls[position]
-            leaf, alias = ckpt._recomputation_input(x, requires_grad=True if position else None)
-            context = [ckpt._recomputation_input(t) for t in call.saved()[1]]
+            leaf, alias = _recomputation_input(x, requires_grad=True if position else None)
+            context = [_recomputation_input(t) for t in call.saved()[1]]
             with torch.enable_grad():
                 tensors = self.recompute(call, alias, [a for _, a in context])
             self.graphs[position] = (_gradient_edges(tensors), leaf, [c for c, _ in context])
@@ -670,10 +678,10 @@ class _ChainedBlock(torch.autograd.Function):
             edges, leaf, context_leaves = runtime.graphs.pop(position)
         else:
             x = runtime.input_of(position)
-            leaf, alias = ckpt._recomputation_input(x, requires_grad=True)
+            leaf, alias = _recomputation_input(x, requires_grad=True)
             del x
             saved = ctx.saved_tensors[1:] if position == 0 else ctx.saved_tensors
-            context = [ckpt._recomputation_input(t) for t in saved]
+            context = [_recomputation_input(t) for t in saved]
             context_leaves = [c for c, _ in context]
             with torch.enable_grad():
                 edges = _gradient_edges(runtime.recompute(call, alias, [a for _, a in context]))
@@ -693,58 +701,13 @@ class _ChainedBlock(torch.autograd.Function):
         return (None, None, results[0], None, *results[1:])
 
 
-# --- strategies -------------------------------------------------------------------------------------
-
-
-def apply_to_chains(model: nn.Module, strategy: str, every: int, blocks: Sequence[str] = ()) -> None:
-    """``checkpointing.strategy`` on ``model``'s chains of blocks (found or named by ``blocks``)."""
-    runners = installed_runners(model)
-    if blocks or not runners:
-        if strategy == "none" and not blocks and not runners:
-            return
-        runners = install_chains(model, find_block_chains(model, blocks))
-    chained = [block for runner in runners for block in runner.blocks]
-    recompute_norm = strategy in ("no_bn", "residual_star")
-    if recompute_norm:
-        route_blocks(chained)
-    routing = [block for block in chained if ckpt.routes_norm_relu_conv(block)]
-    if strategy == "no_bn" and not routing:
-        kinds = sorted({type(b).__name__ for b in chained})
-        raise ValueError(
-            "checkpointing.strategy='no_bn' recomputes BatchNorm-ReLU outputs that feed a convolution inside "
-            f"blocks; {', '.join(kinds)} have no BatchNorm-ReLU-Conv2d sequence lowmem can find: use "
-            "checkpointing.strategy=residual or residual_star (any block)"
-        )
-    for block in routing:
-        ckpt.set_recompute_norm(block, recompute_norm)
-    for runner in runners:
-        runner.set_segments(ckpt.uniform_schedule(strategy, every, len(runner.blocks)))
-
-
-def apply_schedule_to_chains(model: nn.Module, schedules: Sequence[Sequence[ckpt.Segment]]) -> None:
-    """Run chain ``i`` of ``model`` (installed order) in the segments ``schedules[i]``."""
-    runners = installed_runners(model)
-    if len(schedules) != len(runners):
-        raise ValueError(f"{len(schedules)} schedules for the {len(runners)} block chains of {type(model).__name__}")
-    for runner, segments in zip(runners, schedules, strict=True):
-        start = 0
-        for segment in segments:
-            for block in runner.blocks[start : start + segment.blocks]:
-                if segment.recompute_norm and not ckpt.routes_norm_relu_conv(block):
-                    raise ValueError(f"segment {segment} recomputes BatchNorm-ReLU outputs, but {type(block).__name__} "
-                                     "does not route them through lowmem.residual.norm_relu_conv")
-                ckpt.set_recompute_norm(block, segment.recompute_norm)
-            start += segment.blocks
-        runner.set_segments(segments)
-
-
 def ensure_chains(model: nn.Module, blocks: Sequence[str] = ()) -> None:
     """Install ``model``'s chains of blocks (named by ``blocks``, else found) unless the model declares
     residual stacks and no ``blocks`` are named, or chains are installed already; their blocks'
     BatchNorm-ReLU-conv triples routed, so that a schedule may recompute them."""
     if blocks:
         install_chains(model, find_block_chains(model, blocks))
-    elif not ckpt.residual_stacks(model) and not installed_runners(model):
+    elif not residual_stacks(model) and not installed_runners(model):
         install_chains(model, find_block_chains(model))
     route_blocks([block for runner in installed_runners(model) for block in runner.blocks])
 

@@ -39,15 +39,12 @@ parameter or state-dict key, so it composes with precision conversion and sparsi
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lowmem.residual import (
     plain_norm_relu_conv,
@@ -58,32 +55,20 @@ from lowmem.residual import (
     set_block_executor,
     set_norm_relu_conv,
 )
+from lowmem.techniques.chains import find_block_chains, install_chains, installed_runners, route_blocks
 from lowmem.techniques.compact import conv2d_backward, dense_weight, trained_weight
+from lowmem.techniques.recomputation import (
+    BACKPROPS,
+    Segment,
+    _AutocastState,
+    _hold,
+    _recomputation_input,
+    _RngState,
+    scratch_running_stats,
+)
 
 STRATEGIES = ("none", "no_bn", "residual", "residual_star")  # the fixed patterns (`optimal`: lowmem.planning)
-BACKPROPS = ("stored", "all_at_once", "recursively")  # how a Segment's activations reach backward
 _FP32_SLICE = 1 << 15  # elements of a 16-bit tensor widened to FP32 at a time when BN is recomputed
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Consecutive residual blocks of one stack, and how backward gets their activations.
-
-    blocks: how many consecutive blocks (>= 1).
-    backprop: ``stored``: autograd keeps their activations (as ``none``/``no_bn``); ``all_at_once``:
-        only the segment's input is kept and backward recomputes the segment's graph (as
-        ``residual``); ``recursively``: only the input is kept, backward recomputes the block
-        inputs, then one block's graph at a time (as ``residual_star``).
-    recompute_norm: the blocks' BN-ReLU outputs are recomputed in backward, never kept (as
-        ``no_bn``); needs blocks that route their triples through ``lowmem.residual.norm_relu_conv``.
-    """
-
-    blocks: int
-    backprop: str = "stored"
-    recompute_norm: bool = False
-
-    def __str__(self) -> str:
-        return f"{self.backprop}{'/no_bn' if self.recompute_norm else ''}:{self.blocks}"
 
 
 def uniform_schedule(strategy: str, every: int, blocks: int) -> tuple[Segment, ...]:
@@ -117,9 +102,6 @@ def apply_checkpointing(model: nn.Module, strategy: str, every: int = 1, blocks:
     validate_checkpointing(strategy, every)
     stacks = residual_stacks(model)
     if blocks or not stacks:
-        # Imported here: lowmem.techniques.chains builds on this module's recomputation helpers.
-        from lowmem.techniques.chains import apply_to_chains
-
         apply_to_chains(model, strategy, every, blocks)
         return
     blocks = [block for stack in stacks for block in stack.residual_blocks]
@@ -147,8 +129,6 @@ def apply_schedule(model: nn.Module, schedules: Sequence[Sequence[Segment]]) -> 
     it changes only how blocks run, and calling it again replaces the previous schedule."""
     stacks = residual_stacks(model)
     if not stacks:
-        from lowmem.techniques.chains import apply_schedule_to_chains  # builds on this module
-
         apply_schedule_to_chains(model, schedules)
         return
     if len(schedules) != len(stacks):
@@ -178,98 +158,53 @@ def apply_schedule(model: nn.Module, schedules: Sequence[Sequence[Segment]]) -> 
         set_block_executor(stack, run_sequentially if stored else functools.partial(run_segments, segments=segments))
 
 
+def apply_to_chains(model: nn.Module, strategy: str, every: int, blocks: Sequence[str] = ()) -> None:
+    """``checkpointing.strategy`` on ``model``'s chains of blocks (found or named by ``blocks``)."""
+    runners = installed_runners(model)
+    if blocks or not runners:
+        if strategy == "none" and not blocks and not runners:
+            return
+        runners = install_chains(model, find_block_chains(model, blocks))
+    chained = [block for runner in runners for block in runner.blocks]
+    recompute_norm = strategy in ("no_bn", "residual_star")
+    if recompute_norm:
+        route_blocks(chained)
+    routing = [block for block in chained if routes_norm_relu_conv(block)]
+    if strategy == "no_bn" and not routing:
+        kinds = sorted({type(b).__name__ for b in chained})
+        raise ValueError(
+            "checkpointing.strategy='no_bn' recomputes BatchNorm-ReLU outputs that feed a convolution inside "
+            f"blocks; {', '.join(kinds)} have no BatchNorm-ReLU-Conv2d sequence lowmem can find: use "
+            "checkpointing.strategy=residual or residual_star (any block)"
+        )
+    for block in routing:
+        set_recompute_norm(block, recompute_norm)
+    for runner in runners:
+        runner.set_segments(uniform_schedule(strategy, every, len(runner.blocks)))
+
+
+def apply_schedule_to_chains(model: nn.Module, schedules: Sequence[Sequence[Segment]]) -> None:
+    """Run chain ``i`` of ``model`` (installed order) in the segments ``schedules[i]``."""
+    runners = installed_runners(model)
+    if len(schedules) != len(runners):
+        raise ValueError(f"{len(schedules)} schedules for the {len(runners)} block chains of {type(model).__name__}")
+    for runner, segments in zip(runners, schedules, strict=True):
+        start = 0
+        for segment in segments:
+            for block in runner.blocks[start : start + segment.blocks]:
+                if segment.recompute_norm and not routes_norm_relu_conv(block):
+                    raise ValueError(f"segment {segment} recomputes BatchNorm-ReLU outputs, but {type(block).__name__} "
+                                     "does not route them through lowmem.residual.norm_relu_conv")
+                set_recompute_norm(block, segment.recompute_norm)
+            start += segment.blocks
+        runner.set_segments(segments)
+
+
 def set_recompute_norm(block: nn.Module, recompute: bool) -> None:
     """Make ``block`` recompute its BN-ReLU outputs in backward (``no_bn``) or keep them; a block
     that does not route its triples through ``norm_relu_conv`` always keeps them."""
     if routes_norm_relu_conv(block):
         set_norm_relu_conv(block, recomputed_norm_relu_conv if recompute else plain_norm_relu_conv)
-
-
-# --- state replayed or isolated during recomputation -------------------------------------------
-
-
-@contextlib.contextmanager
-def scratch_running_stats(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """Send BatchNorm running-statistic updates made inside the block to throwaway copies.
-
-    The buffers are swapped rather than copied back afterwards: autograd may have saved the
-    scratch tensors, and restoring in place would bump their version counters.
-    """
-    swapped = []
-    for module in modules:
-        if isinstance(module, _BatchNorm) and module.training and module.track_running_stats:
-            originals = {
-                name: getattr(module, name) for name in ("running_mean", "running_var", "num_batches_tracked")
-            }
-            for name, buffer in originals.items():
-                if buffer is not None:
-                    setattr(module, name, buffer.clone())
-            swapped.append((module, originals))
-    try:
-        yield
-    finally:
-        for module, originals in swapped:
-            for name, buffer in originals.items():
-                setattr(module, name, buffer)
-
-
-@dataclass(frozen=True)
-class _AutocastState:
-    """The autocast setting in force for ``device_type``, to recompute under the same one."""
-
-    device_type: str
-    enabled: bool
-    dtype: torch.dtype
-
-    @classmethod
-    def capture(cls, device: torch.device) -> _AutocastState:
-        return cls(device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
-
-    def restore(self) -> torch.autocast:
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
-
-
-class _RngState:
-    """The CPU generator state and, for a CUDA tensor, its device's generator state.
-
-    Inside a CUDA graph capture (``lowmem.techniques.replay``) the CUDA state is the capture's:
-    torch >= 2.10 reads and sets a generator's state inside a capture as long as the seed stays,
-    which moves the capture's Philox offset (pytorch/pytorch#162505). So a captured recomputation
-    rewinds to the offset its forward drew from, every replay redraws the forward's dropout masks,
-    and replays advance the generator like eager steps. That is not taken on trust from torch's
-    version: the replaying runner checks each new capture's first replay against an eager run
-    (gradients included, which a recomputation with other masks changes) and keeps the shape eager
-    if they differ; a torch that refuses inside a capture fails the capture, and the run goes on
-    eagerly.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda_devices = [device] if device.type == "cuda" else []
-        self.cpu = torch.get_rng_state()
-        self.cuda = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
-
-    @contextlib.contextmanager
-    def replayed(self) -> Iterator[None]:
-        """Run the block from the captured state, leaving the caller's generators untouched."""
-        with torch.random.fork_rng(devices=self.cuda_devices, device_type="cuda"):
-            torch.set_rng_state(self.cpu)
-            for device, state in zip(self.cuda_devices, self.cuda, strict=True):
-                torch.cuda.set_rng_state(state, device)
-            yield
-
-
-def _recomputation_input(
-    tensor: torch.Tensor, requires_grad: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A new leaf sharing ``tensor``'s storage, to differentiate the recomputation against, and the
-    alias of it to feed the recomputation with.
-
-    The alias is a non-leaf because module hooks that watch their inputs' gradients (the module
-    tracker of FlopCounterMode) fail on a leaf inside ``torch.autograd.grad``.
-    """
-    leaf = tensor.detach().requires_grad_(tensor.requires_grad if requires_grad is None else requires_grad)
-    with torch.enable_grad():  # backward runs with grad mode off
-        return leaf, (leaf.view_as(leaf) if leaf.requires_grad else leaf)
 
 
 # --- residual / residual_star: recompute a segment of blocks --------------------------------------
@@ -438,28 +373,6 @@ class _SegmentBackprop:
                     previous = self.accumulated[position]
                     self.accumulated[position] = value if previous is None else previous + value
         return grad_input
-
-
-class _Hold(torch.autograd.Function):
-    """Identity that saves its input: a recomputed tensor held for a later step of a backward
-    becomes a saved tensor, visible to saved-tensor hooks (profilers, offloading) like the others."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-def _hold(leaf: torch.Tensor) -> torch.Tensor | None:
-    """A token keeping ``leaf`` registered as saved until the token is dropped."""
-    if not leaf.requires_grad:
-        return None
-    with torch.enable_grad():
-        return _Hold.apply(leaf)
 
 
 def _branch_ends_with_norm_relu_conv(block: nn.Module) -> bool:

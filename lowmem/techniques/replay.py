@@ -28,7 +28,7 @@ What a replay reads and writes must be the same memory every time, so the replay
 - the random number generators: forked around warm-up and capture, so the first replay draws what
   the eager microbatch would have drawn; on CUDA each replay advances the generator's offset by the
   capture's total (torch's graph-safe Philox state), so dropout masks differ between replays while
-  a checkpointed recomputation redraws its forward's masks (``checkpointing._RngState``).
+  a checkpointed recomputation redraws its forward's masks (``recomputation._RngState``).
 
 A capture stays valid while every parameter, gradient and buffer keeps its memory: ``start_step``
 compares their addresses and shapes with the capture's, and captures again when they moved (a

@@ -25,7 +25,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from lowmem.cli_errors import RunRefused, exit_refused
+from lowmem.run.refusals import RunRefused, exit_refused
 
 LOCK_FILE = ".lowmem.lock"
 _held: dict[Path, int] = {}  # resolved run directory -> the open, flocked lock file

@@ -13,11 +13,14 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+
+from lowmem.run.refusals import RunRefused
 
 CONFIG = ".hydra/config.yaml"
 METRICS = "metrics.jsonl"
@@ -80,8 +83,6 @@ def read_checkpoint(path: str | os.PathLike, refusal: str) -> dict[str, Any]:
     """``path`` (a ``checkpoint.pt``) loaded on the CPU, weights only; a file that cannot be read
     (truncated, corrupt, not a lowmem checkpoint) raises ``RunRefused``: ``refusal``, which names
     the knob, followed by the file and why."""
-    from lowmem.cli_errors import RunRefused
-
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises RuntimeError, UnpicklingError, EOFError, ... by cause
@@ -109,6 +110,33 @@ def git_revision() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def cpu_description() -> str:
+    """The CPU: its model name, torch's capability level on it and its AVX-512 / AMX flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
+    flags = sorted({flag for flag in info.split() if flag.startswith(("avx512", "amx"))})
+    return (
+        f"{names[0] if names else platform.processor() or 'CPU'} (capability "
+        f"{torch.backends.cpu.get_cpu_capability()}; {' '.join(flags) or 'no AVX-512'}), {os.cpu_count()} cores"
+    )
+
+
+def measured_on(device: torch.device | str | None = None) -> str:
+    """One line saying when, with which torch and on which device a benchmark measured, printed
+    first by every benchmark: the header its figures are quoted with. ``device``: the one measured
+    (default: CUDA when present, else the CPU); the CPU is named either way."""
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    gpu = f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}) with " if device.type == "cuda" else ""
+    revision = (git_revision() or "unknown")[:7]
+    return (
+        f"measured {time.strftime('%Y-%m-%d %H:%M %Z')} on {gpu}{cpu_description()}, "
+        f"{torch.get_num_threads()} torch threads; torch {torch.__version__}, git {revision}"
+    )
 
 
 def provenance(device: torch.device) -> dict[str, Any]:

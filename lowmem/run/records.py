@@ -15,7 +15,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from lowmem.run_files import save_bytes
+from lowmem.run.files import save_bytes
 
 _RECORDS: dict[Path, bytes] = {}  # .hydra file -> its bytes before this invocation's jobs
 _SEEN: set[Path] = set()  # run directories whose .hydra files were read

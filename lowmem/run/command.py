@@ -1,12 +1,10 @@
-"""What a command line prints when a run cannot go ahead: one line, no traceback.
+"""What a command line does when a run cannot go ahead: one line, no traceback.
 
-A refusal is a message for the user, who can act on it: ``ConfigError`` (a knob's value cannot
-work), ``RunRefused`` (the run directory or a file it needs cannot be used) or a recipe's
-``DataUnavailableError`` (its data set is missing). It is printed as one line on stderr and the
-process exits with status 1. A configuration refused before training leaves no run directory
-behind (when this process created it), or the error in its log (when the directory held
-something before). ``HYDRA_FULL_ERROR=1`` shows the full traceback as for any other error;
-genuine bugs always get theirs.
+A refusal (``lowmem.run.refusals``) is printed as one line on stderr and the process exits with
+status 1. A configuration refused before training leaves no run directory behind (when this
+process created it), or the error in its log (when the directory held something before). A knob
+that does not exist (``sparsity.densty=0.3``) is refused before Hydra composes anything, naming
+the closest knobs (``refuse_unknown_knobs``).
 
 A run stopped by SIGINT / SIGTERM (``lowmem.signals.Interrupted``) prints one line saying where its
 checkpoint is and the exact command that resumes it, and exits with 130 / 143.
@@ -21,39 +19,31 @@ import shlex
 import shutil
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
+from lowmem import distributed
 from lowmem.config import ConfigError
+from lowmem.knobs import check_overrides
+from lowmem.run import lock, records
+from lowmem.run.refusals import exit_refused, full_errors, is_refusal
+from lowmem.signals import Interrupted, terminate_as_interrupt
 
 
-class RunRefused(Exception):
-    """The run cannot go ahead for a reason the user can act on (a run directory in use or not
-    writable, a checkpoint that cannot be read); the message names the knob or the file."""
+def refuse_unknown_knobs(argv: Sequence[str] | None = None) -> None:
+    """Before Hydra composes: a command line override naming no knob exits with one line naming
+    the closest knobs (Hydra's own message takes seven lines and suggests appending it with ``+``,
+    which fails too). ``argv``: the command line's arguments (default ``sys.argv[1:]``)."""
+    from hydra._internal.utils import get_args_parser
 
-
-REFUSALS = (ConfigError, RunRefused)
-EXIT_REFUSED = 1
-
-
-def is_refusal(error: BaseException) -> bool:
-    """A refusal, or a recipe's ``DataUnavailableError`` (data set missing: its message says how
-    to get it); recipes know nothing of lowmem's exception classes, so it is known by name."""
-    return isinstance(error, REFUSALS) or any(cls.__name__ == "DataUnavailableError" for cls in type(error).__mro__)
-
-
-def full_errors() -> bool:
-    """``HYDRA_FULL_ERROR=1``: tracebacks for refusals too (Hydra's own switch)."""
-    return os.environ.get("HYDRA_FULL_ERROR") == "1"
-
-
-def exit_refused(message: str) -> NoReturn:
-    """Print ``message`` as one line on stderr and exit with status 1 (no traceback)."""
-    sys.stdout.flush()
-    sys.stderr.write(f"error: {' '.join(message.split())}\n")
-    sys.stderr.flush()
-    raise SystemExit(EXIT_REFUSED)
+    arguments, _ = get_args_parser().parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    try:
+        check_overrides(arguments.overrides)
+    except ConfigError as error:
+        if full_errors():
+            raise
+        exit_refused(str(error))
 
 
 def record_in_log(message: str, level: int = logging.ERROR) -> None:
@@ -76,15 +66,13 @@ def discard_refused_run(run_dir: Path, message: str) -> None:
     """After a refusal: remove ``run_dir`` if this process created it and nothing but Hydra's
     record, the log and the lock is in it; otherwise put its ``.hydra`` record back as it was and
     write the error into its log."""
-    from lowmem import hydra_records, run_lock
-
     run_dir = Path(run_dir).resolve()
-    if run_lock.created_by_this_process(run_dir) and run_lock.holds_only_startup_files(run_dir):
+    if lock.created_by_this_process(run_dir) and lock.holds_only_startup_files(run_dir):
         _close_log_files_in(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
         return
-    hydra_records.restore(run_dir)
-    hydra_records.remove_added(run_dir)
+    records.restore(run_dir)
+    records.remove_added(run_dir)
     record_in_log(message)
 
 
@@ -109,9 +97,6 @@ def one_line_errors(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def wrapper(cfg: Any) -> Any:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
-
-        from lowmem import distributed
-        from lowmem.signals import Interrupted, terminate_as_interrupt
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         try:

@@ -1,0 +1,43 @@
+"""What a refusal is, and how a command line prints one: one line on stderr, no traceback, exit 1.
+
+A refusal is a message for the user, who can act on it: ``ConfigError`` (a knob's value cannot
+work), ``RunRefused`` (the run directory or a file it needs cannot be used) or a recipe's
+``DataUnavailableError`` (its data set is missing). ``HYDRA_FULL_ERROR=1`` shows the full
+traceback as for any other error; genuine bugs always get theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+from lowmem.config import ConfigError
+
+
+class RunRefused(Exception):
+    """The run cannot go ahead for a reason the user can act on (a run directory in use or not
+    writable, a checkpoint that cannot be read); the message names the knob or the file."""
+
+
+REFUSALS = (ConfigError, RunRefused)
+EXIT_REFUSED = 1
+
+
+def is_refusal(error: BaseException) -> bool:
+    """A refusal, or a recipe's ``DataUnavailableError`` (data set missing: its message says how
+    to get it); recipes know nothing of lowmem's exception classes, so it is known by name."""
+    return isinstance(error, REFUSALS) or any(cls.__name__ == "DataUnavailableError" for cls in type(error).__mro__)
+
+
+def full_errors() -> bool:
+    """``HYDRA_FULL_ERROR=1``: tracebacks for refusals too (Hydra's own switch)."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def exit_refused(message: str) -> NoReturn:
+    """Print ``message`` as one line on stderr and exit with status 1 (no traceback)."""
+    sys.stdout.flush()
+    sys.stderr.write(f"error: {' '.join(message.split())}\n")
+    sys.stderr.flush()
+    raise SystemExit(EXIT_REFUSED)
