@@ -263,12 +263,16 @@ def test_positions_round_trip_through_int16_columns_and_row_starts_in_chunks_of_
 
 @pytest.mark.parametrize(("dtype", "grad_dtype"), [(torch.float64, torch.float64), (torch.bfloat16, torch.bfloat16),
                                                    (torch.float32, torch.bfloat16)])  # fmt: skip
-def test_densify_and_gather_give_the_flat_positions_results_bitwise(dtype, grad_dtype):
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_densify_and_gather_give_the_flat_positions_results_bitwise(dtype, grad_dtype, kernels, monkeypatch):
+    # auto: one C loop each on the CPU (lowmem.kernels.cpu); torch: the chunked torch ops.
+    monkeypatch.setenv("LOWMEM_KERNELS", kernels)
     shape = (300, 77, 3, 3)  # 207,900 entries: 7 rows, 2 or 3 chunks of active entries at density 0.7
     positions = random_positions(math.prod(shape), 0.7)
     assert positions.numel() > compact.DENSIFY_CHUNK > compact.GATHER_CHUNK
     index = compact.encode(positions, math.prod(shape))
     values = torch.randn(positions.numel(), dtype=torch.float64).to(dtype)
+    assert compact._copied_in_c(values, *index) == (kernels == "auto" and lowmem.kernels.cpu.library() is not None)
     # What the former layout (int32 flat positions) computed:
     expected = values.new_zeros(math.prod(shape)).index_put_((positions.int(),), values).view(shape)
     exact(compact.densify(values, *index, shape), expected)

@@ -67,6 +67,10 @@ _SIGNATURES |= {
     "lowmem_adam_q": [_i64, _P64, _P64, _P64, _P64, _P64, _P64, _P64, _PF32, _PU32, _PU32, _i32, _i32, _i64, _ptr,
                       _ptr, _ptr, _ptr, _f32, _f32, _f32, _f32, _f32, _i32, _f32, _f32, _i32],
 }
+_SIGNATURES |= {
+    "lowmem_densify": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i32],
+    "lowmem_gather": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i32],
+}
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -365,3 +369,30 @@ def adam_quantized(
         )
 
     _run(call, sizes)
+
+
+# --- compact sparse weights --------------------------------------------------------------------
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def copies_compact(*tensors: torch.Tensor) -> bool:
+    """Whether ``densify`` / ``gather`` below can take these tensors: plain (no subclass but a
+    parameter), contiguous CPU tensors of 2, 4 or 8-byte elements, with the C kernels built."""
+    return (
+        all(t.device.type == "cpu" and t.is_contiguous() and type(t) in _PLAIN for t in tensors)
+        and tensors[0].element_size() in (2, 4, 8)
+        and library() is not None
+    )
+
+
+def densify(dense: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, row: int) -> None:
+    """``dense`` (flat) := zeros with ``values`` at their positions (see ``lowmem.techniques.compact``)."""
+    library().lowmem_densify(dense.data_ptr(), values.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
+                             row_starts.numel() - 1, dense.numel(), row, dense.element_size())  # fmt: skip
+
+
+def gather(out: torch.Tensor, dense: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, row: int) -> None:
+    """``out`` := the entries of ``dense`` (flat, ``out``'s dtype) at the active positions."""
+    library().lowmem_gather(out.data_ptr(), dense.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
+                            row_starts.numel() - 1, row, out.element_size())  # fmt: skip

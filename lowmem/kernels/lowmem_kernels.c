@@ -321,3 +321,32 @@ void lowmem_adam_q(int64_t count, const int64_t *weights, const int64_t *grads, 
         }
     }
 }
+
+/* --- compact sparse weights (lowmem.techniques.compact) ------------------------------------------
+ * Active entry i of row r sits at flat position r * row + columns[i] (row_starts: CSR over rows of
+ * ``row`` entries). The copies move bits: any dtype of 2, 4 or 8 bytes. */
+
+#define DENSIFY(T)                                                                                  \
+    for (int64_t r = 0; r < rows; r++)                                                              \
+        for (int64_t i = row_starts[r]; i < row_starts[r + 1]; i++)                                 \
+            ((T *)dense)[r * row + columns[i]] = ((const T *)values)[i];
+
+void lowmem_densify(void *dense, const void *values, const int16_t *columns, const int64_t *row_starts, int64_t rows,
+                    int64_t numel, int64_t row, int element_size) {
+    memset(dense, 0, (size_t)(numel * element_size));
+    if (element_size == 2) { DENSIFY(uint16_t) }
+    else if (element_size == 4) { DENSIFY(uint32_t) }
+    else { DENSIFY(uint64_t) }
+}
+
+#define GATHER(T)                                                                                   \
+    for (int64_t r = 0; r < rows; r++)                                                              \
+        for (int64_t i = row_starts[r]; i < row_starts[r + 1]; i++)                                 \
+            ((T *)out)[i] = ((const T *)dense)[r * row + columns[i]];
+
+void lowmem_gather(void *out, const void *dense, const int16_t *columns, const int64_t *row_starts, int64_t rows,
+                   int64_t row, int element_size) {
+    if (element_size == 2) { GATHER(uint16_t) }
+    else if (element_size == 4) { GATHER(uint32_t) }
+    else { GATHER(uint64_t) }
+}

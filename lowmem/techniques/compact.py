@@ -45,12 +45,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
+
+from lowmem.kernels import cpu as cpu_kernels
 
 _VALUES, _COLUMNS, _ROW_STARTS = "_values", "_columns", "_row_starts"
 _INDEX = (_COLUMNS, _ROW_STARTS)  # the buffers that say where the values are
@@ -139,6 +142,10 @@ def densify(
     values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, shape: Sequence[int]
 ) -> torch.Tensor:
     """The dense weight of ``shape``: ``values`` at their positions, zeros elsewhere (no autograd)."""
+    if _copied_in_c(values, columns, row_starts):  # one pass, no index scratch
+        dense = values.new_empty(math.prod(shape))
+        cpu_kernels.densify(dense, values, columns, row_starts, ROW)
+        return dense.view(shape)
     dense = values.new_zeros(math.prod(shape))
     for entries, positions in positions_by_chunk(columns, row_starts, DENSIFY_CHUNK):
         dense.index_copy_(0, positions, values[entries])
@@ -155,6 +162,9 @@ def gather(
     index_dtype = torch.int32 if flat.numel() <= torch.iinfo(torch.int32).max else torch.int64
     # Made like the columns (model state): activation profilers see a weight gradient, not an activation's.
     out = torch.empty_like(columns, dtype=dtype, device=flat.device)
+    if dtype == flat.dtype and _copied_in_c(flat, columns, row_starts):
+        cpu_kernels.gather(out, flat, columns, row_starts, ROW)
+        return out
     for entries, positions in positions_by_chunk(columns, row_starts, GATHER_CHUNK, index_dtype):
         if dtype == flat.dtype:
             torch.index_select(flat, 0, positions, out=out[entries])
@@ -162,6 +172,17 @@ def gather(
             out[entries] = flat.index_select(0, positions)
         del positions  # before the next chunk's are built
     return out
+
+
+def _copied_in_c(values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor) -> bool:
+    """Whether ``densify``/``gather`` run as one C loop (``lowmem.kernels.cpu``): real contiguous
+    CPU tensors, and not where ``LOWMEM_KERNELS=torch`` asks for plain torch."""
+    return (
+        values.device.type == "cpu"
+        and not _without_values(columns)
+        and os.environ.get("LOWMEM_KERNELS", "auto") != "torch"
+        and cpu_kernels.copies_compact(values, columns, row_starts)
+    )
 
 
 def is_compact(module: nn.Module, name: str) -> bool:
