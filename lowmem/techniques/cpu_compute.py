@@ -104,7 +104,7 @@ class Fp32Arithmetic:
     It does so in the ops' CPU kernels (``_CpuKernels``), not as a dispatch mode: the ops it
     computes pay a few microseconds of Python each, every other op nothing (a ``TorchDispatchMode``
     sees every op: about 13 us each, 0.29 s of a 1.7 s microbatched WRN-28-2 step). Nested, the
-    innermost context whose kinds include the op's acts.
+    innermost context whose kinds include the op's acts. Other threads are not affected.
 
     A tracker of live tensors (``lowmem.profiler.track_peak``) never sees the FP32 copies: they are
     made inside the ops' kernels, as a native kernel's scratch is. ``measure_scratch=True``
@@ -129,13 +129,12 @@ class Fp32Arithmetic:
         self.scratch_peak_bytes = self.peak_with_scratch_bytes = 0
 
     def __enter__(self) -> Fp32Arithmetic:
-        _CpuKernels.acquire()
+        _CpuKernels.install()
         _contexts().append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         _contexts().remove(self)
-        _CpuKernels.release()
 
     def compute(self, func, kind: str, dtype: torch.dtype, args: tuple, kwargs: dict):
         self.computed[kind] += 1
@@ -161,42 +160,30 @@ def _contexts() -> list[Fp32Arithmetic]:
 
 
 class _CpuKernels:
-    """The CPU kernels of the ops of ``_KIND_OF``, overridden while any ``Fp32Arithmetic`` is
-    entered (on any thread) and restored when the last one exits.
+    """The CPU kernels of the ops of ``_KIND_OF``, overridden from the first ``Fp32Arithmetic``
+    entered in the process on (registered once: the dispatcher's tables must not change while
+    other threads dispatch, so they are not restored on exit either).
 
     Each override computes in FP32 when an entered context of this thread wants the op's kind and
     its operands are 16-bit CPU tensors; otherwise it calls the kernel it replaced (captured from
-    the dispatcher when installed). Autograd records above the CPU kernels, so what it saves is
-    the ops' 16-bit operands, and its backward ops come back through the overrides.
+    the dispatcher when installed), a few microseconds later. Autograd records above the CPU
+    kernels, so what it saves is the ops' 16-bit operands, and its backward ops come back through
+    the overrides.
     """
 
     _lock = threading.Lock()
-    _users = 0
     _library: torch.library.Library | None = None
 
     @classmethod
-    def acquire(cls) -> None:
+    def install(cls) -> None:
         with cls._lock:
-            if cls._users == 0:
-                cls._library = cls._install()
-            cls._users += 1
-
-    @classmethod
-    def release(cls) -> None:
-        with cls._lock:
-            cls._users -= 1
-            if cls._users == 0 and cls._library is not None:
-                cls._library._destroy()
-                cls._library = None
-
-    @staticmethod
-    def _install() -> torch.library.Library:
-        library = torch.library.Library("aten", "IMPL")
-        for func, kind in _KIND_OF.items():
-            name = func._schema.name  # "aten::mm": every op here is its default overload
-            replaced = torch._C._dispatch_get_computed_kernel_for_dispatch_key(name, torch._C.DispatchKey.CPU)
-            library.impl(name.removeprefix("aten::"), _override(func, kind, replaced), "CPU", with_keyset=True)
-        return library
+            if cls._library is None:
+                library = torch.library.Library("aten", "IMPL")
+                for func, kind in _KIND_OF.items():
+                    name = func._schema.name  # "aten::mm": every op here is its default overload
+                    replaced = torch._C._dispatch_get_computed_kernel_for_dispatch_key(name, torch._C.DispatchKey.CPU)
+                    library.impl(name.removeprefix("aten::"), _override(func, kind, replaced), "CPU", with_keyset=True)
+                cls._library = library
 
 
 def _override(func, kind: str, replaced) -> Callable:
