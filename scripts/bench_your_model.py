@@ -10,9 +10,10 @@ of width 128 called in a loop with a causal mask), on CPU, batch 100 (images 32x
 - lowmem without techniques (FP32): the report's accounting and step time (≤ 1.1x plain: the
   framework itself costs nothing);
 - lowmem's full combination (density 0.3, BF16, microbatch 10, residual_star every 2): accounting,
-  measured peak and step time.
+  measured peak and step time, and its step time over FLOPs against lowmem's pure BF16 run (the
+  same precision without techniques; 1.00 = time grows exactly as the FLOPs of recomputation).
 
-Step times are the median of ``--repeats`` steps after one warm-up step, alternating the three
+Step times are the median of ``--repeats`` steps after one warm-up step, alternating the four
 configurations so that machine noise falls on all alike. Writes a Markdown table (stdout, and
 ``--out`` when given) and, on stderr, what the combination's measured peak holds and where it happens.
 Run: ``.venv/bin/python scripts/bench_your_model.py`` (~3 min on 2 cores).
@@ -74,7 +75,7 @@ def timed(step: Callable[[], object]) -> float:
 
 def bench(name: str, make_model: Callable, batch: tuple, loss_fn: Callable, repeats: int) -> dict:
     """One model's row. Each measured peak is taken with only its own configuration alive (the CPU
-    tracker counts every live tensor), then all three are timed side by side."""
+    tracker counts every live tensor), then all four are timed side by side."""
 
     def fresh() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -94,9 +95,10 @@ def bench(name: str, make_model: Callable, batch: tuple, loss_fn: Callable, repe
     combined = lowmem.prepare(fresh(), loss_fn, batch, overrides=["trainer.device=cpu", *COMBINATION]).profile()
     model, optimizer = plain_setup()
     lowmem_plain = lowmem.prepare(fresh(), loss_fn, batch, overrides=["trainer.device=cpu"])
+    pure = lowmem.prepare(fresh(), loss_fn, batch, overrides=["trainer.device=cpu", "precision=bf16"])
     combination = lowmem.prepare(fresh(), loss_fn, batch, overrides=["trainer.device=cpu", *COMBINATION])
     steps = {"plain": plain_step(model, optimizer, loss_fn, batch), "lowmem": lambda: lowmem_plain.step(batch),
-             "combination": lambda: combination.step(batch)}  # fmt: skip
+             "pure": lambda: pure.step(batch), "combination": lambda: combination.step(batch)}  # fmt: skip
     times: dict[str, list[float]] = {key: [] for key in steps}
     for step in steps.values():  # warm-up
         step()
@@ -116,6 +118,8 @@ def bench(name: str, make_model: Callable, batch: tuple, loss_fn: Callable, repe
         "combo_peak_location": combined["peak_location"],
         "lowmem_vs_plain_time": median["lowmem"] / median["plain"],
         "combo_vs_plain_time": median["combination"] / median["plain"],
+        # Against pure BF16 (same precision, no technique), over the FLOPs recomputation adds.
+        "combo_time_per_flop": (median["combination"] / median["pure"]) / (combined["flops"] / accounted["flops"]),
         "plain_step_s": median["plain"],
     }
 
@@ -124,8 +128,8 @@ def table(rows: list[dict], batch: int) -> str:
     lines = [
         f"| model (batch {batch}, CPU) | params | plain PyTorch FP32 peak | lowmem FP32 accounted (activations) | "
         "combination accounted | combination peak | accounted ratio | peak ratio | step time lowmem / plain | "
-        "step time combination / plain |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "step time combination / plain | combination time/FLOPs vs pure BF16 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -134,7 +138,7 @@ def table(rows: list[dict], batch: int) -> str:
             f"{r['combo_accounted'] / MB:.1f} MB | "
             f"{r['combo_peak'] / MB:.1f} MB | {r['fp32_accounted'] / r['combo_accounted']:.1f}x | "
             f"{r['plain_peak'] / r['combo_peak']:.1f}x | {r['lowmem_vs_plain_time']:.2f}x | "
-            f"{r['combo_vs_plain_time']:.2f}x |"
+            f"{r['combo_vs_plain_time']:.2f}x | {r['combo_time_per_flop']:.2f} |"
         )
     return "\n".join(lines)
 

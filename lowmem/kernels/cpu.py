@@ -386,13 +386,17 @@ def copies_compact(*tensors: torch.Tensor) -> bool:
     )
 
 
-def densify(dense: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, row: int) -> None:
+def densify(
+    dense: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, row: int
+) -> None:
     """``dense`` (flat) := zeros with ``values`` at their positions (see ``lowmem.techniques.compact``)."""
     library().lowmem_densify(dense.data_ptr(), values.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
                              row_starts.numel() - 1, dense.numel(), row, dense.element_size())  # fmt: skip
 
 
-def gather(out: torch.Tensor, dense: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, row: int) -> None:
+def gather(
+    out: torch.Tensor, dense: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, row: int
+) -> None:
     """``out`` := the entries of ``dense`` (flat, ``out``'s dtype) at the active positions."""
     library().lowmem_gather(out.data_ptr(), dense.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
                             row_starts.numel() - 1, row, out.element_size())  # fmt: skip
