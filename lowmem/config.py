@@ -22,6 +22,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from lowmem.libraries import WORKSPACES
+from lowmem.techniques.compression import validate_compress
 from lowmem.techniques.cpu_compute import CPU_COMPUTE
 from lowmem.techniques.precision import PRECISIONS
 from lowmem.techniques.replay import CUDA_GRAPHS
@@ -99,6 +100,9 @@ class CheckpointingConfig:
     every: int = 1  # residual strategies: keep the output of every m-th residual block
     budget_mb: float | None = None  # optimal only (required there): most accounted activation MB (1e6 bytes)
     blocks: Any = None  # any model: module path(s) or a block class name (None: detected)
+    # none | 8 | 4 | 2: bits per element of saved activations (optimal: the narrowest the planner may choose)
+    compress: Any = "none"
+    offload: bool = False  # CUDA: saved activations copied to pinned host memory in forward, prefetched in backward
 
 
 @dataclass
@@ -397,6 +401,16 @@ def validate(cfg: DictConfig | Config) -> None:
         "must be an integer >= 1",
     )
     name_list(cfg.checkpointing.blocks, "checkpointing.blocks")
+    try:
+        validate_compress(cfg.checkpointing.compress)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    _require(
+        isinstance(cfg.checkpointing.offload, bool),
+        "checkpointing.offload",
+        cfg.checkpointing.offload,
+        "true or false",
+    )
     name_list(cfg.sparsity.include, "sparsity.include")
     name_list(cfg.sparsity.exclude, "sparsity.exclude")
     _require(cfg.logger.name in ("none", "wandb"), "logger", cfg.logger.name, "one of none, wandb")

@@ -347,7 +347,9 @@ def _agreed_across_ranks(placement: CheckpointPlacement, budget: int) -> Account
     return max((chosen for _, chosen in gathered), key=lambda pair: pair[0])[1]
 
 
-def apply_optimal_checkpointing(trainer: Any, budget_mb: float, blocks: Sequence[str] = ()) -> OptimalCheckpointing:
+def apply_optimal_checkpointing(
+    trainer: Any, budget_mb: float, blocks: Sequence[str] = (), widths: Sequence[int] = ()
+) -> OptimalCheckpointing:
     """Apply to ``trainer``'s model the cheapest schedule whose accounted activations fit ``budget_mb``
     (MB = 1e6 bytes); raise ``BudgetTooSmall`` (a ConfigError) when none does.
 

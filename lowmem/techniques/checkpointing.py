@@ -59,6 +59,7 @@ from lowmem.residual import (
     set_norm_relu_conv,
 )
 from lowmem.techniques.compact import conv2d_backward, dense_weight, trained_weight
+from lowmem.techniques.compression import compressed_saves
 
 STRATEGIES = ("none", "no_bn", "residual", "residual_star")  # the fixed patterns (`optimal`: lowmem.planning)
 BACKPROPS = ("stored", "all_at_once", "recursively")  # how a Segment's activations reach backward
@@ -76,14 +77,19 @@ class Segment:
         inputs, then one block's graph at a time (as ``residual_star``).
     recompute_norm: the blocks' BN-ReLU outputs are recomputed in backward, never kept (as
         ``no_bn``); needs blocks that route their triples through ``lowmem.residual.norm_relu_conv``.
+    bits: a stored segment's saved activations are stored compressed at this width (8, 4, 2;
+        ``lowmem.techniques.compression``, whose hooks must be installed on the model); None: as
+        the hooks' own width says (none installed: as they are).
     """
 
     blocks: int
     backprop: str = "stored"
     recompute_norm: bool = False
+    bits: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.backprop}{'/no_bn' if self.recompute_norm else ''}:{self.blocks}"
+        compressed = f"/{self.bits}bit" if self.bits is not None else ""
+        return f"{self.backprop}{'/no_bn' if self.recompute_norm else ''}{compressed}:{self.blocks}"
 
 
 def uniform_schedule(strategy: str, every: int, blocks: int) -> tuple[Segment, ...]:
@@ -158,11 +164,14 @@ def apply_schedule(model: nn.Module, schedules: Sequence[Sequence[Segment]]) -> 
         if any(residual_stacks(block) for block in blocks):
             raise ValueError(f"residual stack {index} holds residual stacks in its blocks: schedules need flat stacks")
         segments = tuple(segments)
-        malformed = any(s.blocks < 1 or s.backprop not in BACKPROPS for s in segments)
+        malformed = any(
+            s.blocks < 1 or s.backprop not in BACKPROPS or (s.bits is not None and s.backprop != "stored")
+            for s in segments
+        )
         if malformed or sum(s.blocks for s in segments) != len(blocks):
             raise ValueError(
                 f"schedule {' '.join(map(str, segments))} does not cover the {len(blocks)} blocks of residual stack "
-                f"{index}: segments of >= 1 blocks, backprop one of {', '.join(BACKPROPS)}"
+                f"{index}: segments of >= 1 blocks, backprop one of {', '.join(BACKPROPS)} (a width only when stored)"
             )
         start = 0
         for segment in segments:
@@ -174,7 +183,7 @@ def apply_schedule(model: nn.Module, schedules: Sequence[Sequence[Segment]]) -> 
                     )
                 set_recompute_norm(block, segment.recompute_norm)
             start += segment.blocks
-        stored = all(segment.backprop == "stored" for segment in segments)
+        stored = all(segment.backprop == "stored" and segment.bits is None for segment in segments)
         set_block_executor(stack, run_sequentially if stored else functools.partial(run_segments, segments=segments))
 
 
@@ -299,15 +308,17 @@ def run_segments(
         part = blocks[start : start + segment.blocks]
         start += segment.blocks
         if segment.backprop == "stored":
-            x = run_sequentially(part, x, context)
+            with contextlib.nullcontext() if segment.bits is None else compressed_saves(segment.bits):
+                x = run_sequentially(part, x, context)
             continue
         # Parameters are explicit inputs so their gradients are returned through autograd (hooks,
         # DDP and torch.autograd.grad see them) instead of being accumulated behind its back.
         params = [p for block in part for p in block.parameters() if p.requires_grad]
         recursive = segment.backprop == "recursively"
-        x = _CheckpointedSegment.apply(
-            part, context, is_tensor, recursive, x, len(context_tensors), *context_tensors, *params
-        )
+        with compressed_saves(None):  # recomputation starts from the exact input
+            x = _CheckpointedSegment.apply(
+                part, context, is_tensor, recursive, x, len(context_tensors), *context_tensors, *params
+            )
     return x
 
 
