@@ -277,8 +277,8 @@ class ActivationCompression:
         self.compressed_bytes = 0
         self._count = 0  # tensors quantized in this forward (each draws its own key)
         self._outer: tuple | None = None
-        self._contexts: list[contextlib.AbstractContextManager] = []
-        self._state_shapes: set[tuple[int, ...]] = set()
+        self._contexts: list[tuple[contextlib.AbstractContextManager, tuple | None]] = []
+        self._state_shapes = _state_shapes(model)
         self._handles = [
             model.register_forward_pre_hook(self._forward_starts),
             model.register_forward_hook(self._forward_ends, always_call=True),
@@ -293,21 +293,34 @@ class ActivationCompression:
         self.key = fmix32(tensor_keys(self.seed ^ _SALT, step, 1)[0] ^ fmix32(microbatch & _MASK32))
 
     # --- module hooks ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """The hooks on for the body (a block run alone, as the planner measures it)."""
+        self._push()
+        try:
+            yield
+        finally:
+            self._pop()
+
     def _forward_starts(self, module: nn.Module, args: tuple) -> None:
         self._count, self.compressed_bytes = 0, 0
-        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        shapes = set()
-        for p in module.parameters():
-            shapes.add(tuple(p.shape))
-            shapes.add(tuple(reversed(p.shape)))
-        self._state_shapes = shapes
-        context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        context.__enter__()
-        self._contexts.append(context)
+        self._state_shapes = _state_shapes(module)
+        self._push()
 
     def _forward_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._pop()
+
+    def _push(self) -> None:
+        # The hooks active outside (the accounting's, the measured peak's) receive what is stored.
+        context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._contexts.append((context, self._outer))
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        context.__enter__()
+
+    def _pop(self) -> None:
         if self._contexts:
-            self._contexts.pop().__exit__(None, None, None)
+            context, self._outer = self._contexts.pop()
+            context.__exit__(None, None, None)
 
     # --- saved tensors --------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> _Packed:
@@ -354,6 +367,14 @@ class ActivationCompression:
         if tuple(tensor.shape) in self._state_shapes and _from_model_state(tensor.grad_fn):
             return "plain"  # a weight transposed, cast or masked
         return "quantized"
+
+
+def _state_shapes(model: nn.Module) -> set[tuple[int, ...]]:
+    """The shapes of ``model``'s parameters, and of them transposed."""
+    shapes = set()
+    for p in model.parameters():
+        shapes.update((tuple(p.shape), tuple(reversed(p.shape))))
+    return shapes
 
 
 _RELU_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
