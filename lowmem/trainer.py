@@ -52,6 +52,7 @@ from lowmem.techniques.convolutions import tune_convolutions
 from lowmem.techniques.cpu_compute import choices as cpu_compute_choices
 from lowmem.techniques.cpu_compute import context_for, summary
 from lowmem.techniques.microbatch import apply_simulated_microbatching, no_sync_except_last
+from lowmem.techniques.offload import apply_offload, offload_of
 from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
 from lowmem.techniques.precision import (
     PrecisionPolicy,
@@ -128,8 +129,10 @@ class Trainer:
         # Compressed or offloaded saved activations draw their random bits per step (and offloading
         # synchronises streams) outside what a captured graph can replay: those runs stay eager.
         self.compression = compression_of(self.unwrapped_model)
+        self.offload = offload_of(self.unwrapped_model)
+        eager_only = self.compression is not None or self.offload is not None
         self.microbatch_runner = make_microbatch_runner(
-            "off" if self.compression is not None else cfg.trainer.cuda_graphs,
+            "off" if eager_only else cfg.trainer.cuda_graphs,
             self.eager_microbatches,
             self.unwrapped_model,
             device,
@@ -725,8 +728,13 @@ def apply_techniques(
     #    Compressed saved activations are saved-tensor hooks around the model's forward: a fixed
     #    strategy stores everything kept at one width; under `optimal` the schedule sets a width per
     #    stored segment, so the hooks go on first (the planner accounts through them).
+    #    Offloading (CUDA) goes on first: its hooks are then the outer ones, and what compression
+    #    stores is what it copies to the host.
     blocks = name_list(cfg.checkpointing.blocks, "checkpointing.blocks")
     compress = validate_compress(cfg.checkpointing.compress)
+    if cfg.checkpointing.offload:
+        with _refusals_as_config_errors():
+            apply_offload(model, device=device)
     if cfg.checkpointing.strategy == "optimal":
         if compress is not None:
             apply_compression(model, None, seed=cfg.trainer.seed)

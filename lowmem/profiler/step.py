@@ -43,7 +43,14 @@ def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> Me
         data=data_tensors(trainer, batch),
         owners=(trainer, batch),  # the run's tensors, not those of whoever profiles it
         arithmetic=trainer.arithmetic() if measure else None,
+        host_bytes=_offload_pool_bytes(trainer),
     )
+
+
+def _offload_pool_bytes(trainer: Any) -> Any:
+    """The pinned host memory a trainer's offloaded activations hold, read after a step (None: no offload)."""
+    offload = getattr(trainer, "offload", None)
+    return None if offload is None else (lambda: offload.host_bytes)
 
 
 def distinct_microbatches(trainer: Any, batch: Any) -> list[tuple[Any, float, int]]:
