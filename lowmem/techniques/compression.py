@@ -278,7 +278,7 @@ class ActivationCompression:
         self._count = 0  # tensors quantized in this forward (each draws its own key)
         self._outer: tuple | None = None
         self._contexts: list[tuple[contextlib.AbstractContextManager, tuple | None]] = []
-        self._state_shapes = _state_shapes(model)
+        self._state_shapes = state_shapes(model)
         self._handles = [
             model.register_forward_pre_hook(self._forward_starts),
             model.register_forward_hook(self._forward_ends, always_call=True),
@@ -304,7 +304,7 @@ class ActivationCompression:
 
     def _forward_starts(self, module: nn.Module, args: tuple) -> None:
         self._count, self.compressed_bytes = 0, 0
-        self._state_shapes = _state_shapes(module)
+        self._state_shapes = state_shapes(module)
         self._push()
 
     def _forward_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -362,14 +362,21 @@ class ActivationCompression:
             return "plain"  # indices, masks; leaves: parameters, the minibatch, buffers
         if _saved_by_relu_itself(tensor):
             return "signs"
-        if tensor.numel() < MIN_ELEMENTS:
+        if tensor.numel() < MIN_ELEMENTS or is_model_state(tensor, self._state_shapes):
             return "plain"
-        if tuple(tensor.shape) in self._state_shapes and _from_model_state(tensor.grad_fn):
-            return "plain"  # a weight transposed, cast or masked
         return "quantized"
 
 
-def _state_shapes(model: nn.Module) -> set[tuple[int, ...]]:
+def is_model_state(tensor: torch.Tensor, state_shapes: set[tuple[int, ...]]) -> bool:
+    """Whether a saved ``tensor`` is model state, not an activation: a leaf (a parameter, a buffer,
+    the minibatch) or a parameter transposed, cast or masked (shaped like a parameter, of one of
+    ``state_shapes``, and computed from parameters alone)."""
+    if tensor.grad_fn is None:
+        return True
+    return tuple(tensor.shape) in state_shapes and _from_model_state(tensor.grad_fn)
+
+
+def state_shapes(model: nn.Module) -> set[tuple[int, ...]]:
     """The shapes of ``model``'s parameters, and of them transposed."""
     shapes = set()
     for p in model.parameters():

@@ -5,7 +5,8 @@ backward that needs it.
 ``apply_offload(model)`` installs saved-tensor hooks around ``model``'s forward (as compression does:
 ``lowmem.techniques.compression``; hooks active outside still see what is stored, and compression
 installed after offloading hands its codes to it). Each saved activation of at least
-``MIN_BYTES`` (parameters, leaves and small tensors stay on the device) is
+``MIN_BYTES`` (model state, leaves and small tensors stay on the device:
+``lowmem.techniques.compression.is_model_state``) is
 
 - copied device-to-host on a side stream (``Streams.copy``), which waits for the compute stream to
   have produced the tensor; the caching allocator is told the side stream uses it
@@ -38,6 +39,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lowmem.profiler.activations import SAVED_FORM
+from lowmem.techniques.compression import is_model_state, state_shapes
 
 log = logging.getLogger("lowmem")
 MIN_BYTES = 1 << 16  # smaller saved tensors stay on the device (the copy's latency outweighs them)
@@ -157,8 +159,8 @@ class ActivationOffload:
 
     streams: the device's copy machinery (``CudaStreams``; a test double on a CPU).
     prefetch: how many tensors are fetched ahead of the one backward reads.
-    ``offloaded_bytes``: bytes the last forward offloaded; ``kept_for_room``: tensors kept on the
-    device because the pool was full.
+    ``offloaded_bytes``: bytes the last forward offloaded; ``kept_for_room``: saves (a tensor saved
+    by two nodes counts twice) left on the device because the pool was full.
     """
 
     def __init__(self, model: nn.Module, streams: Streams, prefetch: int = PREFETCH, max_bytes: int = MAX_POOL_BYTES):
@@ -168,6 +170,7 @@ class ActivationOffload:
         self._order: list[weakref.ref] = []  # this forward's offloaded tensors, in pack order
         self._contexts: list[tuple[contextlib.AbstractContextManager, tuple | None]] = []
         self._outer: tuple | None = None
+        self._state_shapes = state_shapes(model)
         self._handles = [
             model.register_forward_pre_hook(self._forward_starts),
             model.register_forward_hook(self._forward_ends, always_call=True),
@@ -184,6 +187,7 @@ class ActivationOffload:
 
     def _forward_starts(self, module: nn.Module, args: tuple) -> None:
         self._order, self.offloaded_bytes = [], 0
+        self._state_shapes = state_shapes(module)
         context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._contexts.append((context, self._outer))
         self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -196,7 +200,8 @@ class ActivationOffload:
 
     def _pack(self, tensor: torch.Tensor) -> _Offloaded | _Kept:
         nbytes = tensor.numel() * tensor.element_size()
-        if tensor.grad_fn is None or nbytes < MIN_BYTES:  # leaves (parameters, data) and small tensors
+        compressed = getattr(tensor, SAVED_FORM, None) == "compressed"  # codes: no history, not model state
+        if nbytes < MIN_BYTES or (not compressed and is_model_state(tensor, self._state_shapes)):
             return _Kept(tensor, self._outer)
         cached = getattr(tensor, "_lowmem_offloaded", None)
         if cached is not None and cached[0] == tensor._version and cached[1]() is not None:
