@@ -7,7 +7,9 @@ the first minibatch) plus the step's temporaries a real step holds beyond it (``
 compact sparse positions as stored, dense weight temporaries, gradient accumulation, the largest op
 temporary) is at most X MB (1e6 bytes); any searched knob given on the command line is
 fixed to that value (``lowmem.planning.search``). Preference: the highest density (accuracy), then
-the widest optimizer state (accuracy), then the largest microbatch (speed), then the fewest FLOPs.
+the widest optimizer state (accuracy), then the widest saved activations (``checkpointing.compress``
+with optimal checkpointing: none, 8, 4, 2 bits), then the largest microbatch (speed), then the
+fewest FLOPs.
 
 Prints a table of the best ``plan.top`` configurations (state bits, accounted total, FLOPs, and the
 accuracy the report measured for them where it has a figure), then the chosen one built and
@@ -64,7 +66,8 @@ def table(planner: Planner, found: list[Candidate], budget_mb: float) -> str:
     metric = next((m[0] for m in map(planner.reported, found) if m is not None), "report's figure")
     lines = [
         f"configurations whose accounted total fits {budget_mb:g} MB, best first "
-        "(highest density, then widest optimizer state, then largest microbatch, then fewest FLOPs):",
+        "(highest density, then widest optimizer state, then widest saved activations, then largest microbatch, "
+        "then fewest FLOPs):",
         f"{'#':>3}  {'density':>7}  {'precision':<9}  {'state bits':>10}  {'microbatch':>10}  {'checkpointing':<15}  "
         f"{'activations MB':>14}  {'total MB':>9}  {'GFLOP':>7}  {metric} (cost)",
     ]
@@ -151,6 +154,7 @@ def plan_search(
         "optimizer_bytes": row["optimizer_bytes"],
         "optimizer_state_bytes": row.get("optimizer_state_bytes"),
         "state_bits": chosen.bits,
+        "compress": chosen.compress,
         "activation_bytes": row["activation_bytes"],
         "flops": row["flops"],
         "peak_bytes": row["peak_bytes"],
