@@ -63,6 +63,19 @@ def test_rounding_is_unbiased_and_drawn_from_the_key():
     assert not torch.equal(roundtrip(x, 4, 3), roundtrip(x, 4, 4))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_c_kernel_gives_the_torch_definitions_bits(dtype, monkeypatch):
+    x = (torch.randn(3, 7, 11, 13) * 5).to(dtype)  # a short last group
+    for bits in (8, 4, 2):
+        kernel = quantize_activation(x, bits, 99)
+        read = dequantize_activation(*kernel, bits, list(x.shape), dtype)
+        monkeypatch.setenv("LOWMEM_KERNELS", "torch")
+        torch_codes = quantize_activation(x, bits, 99)
+        assert all(torch.equal(a, b) for a, b in zip(kernel, torch_codes, strict=True))
+        assert torch.equal(read, dequantize_activation(*torch_codes, bits, list(x.shape), dtype))
+        monkeypatch.delenv("LOWMEM_KERNELS")
+
+
 def test_constant_and_exactly_representable_values_come_back_exactly():
     x = torch.full((2, GROUP), 1.5)
     assert torch.equal(roundtrip(x, 2), x)

@@ -29,7 +29,9 @@ and read it back (dequantized, in its own dtype) when backward needs it:
 Other saved-tensor hooks active around the forward (lowmem's accounting and measured peak, a user's
 own) still see every saved tensor: the codes, ranges and masks are handed to them in its place, so
 the accounting counts compressed bytes at their stored size. Quantizing and dequantizing are custom
-ops (``lowmem::quantize_activation`` and three more) with fake implementations, so the accounting's
+ops (``lowmem::quantize_activation`` and three more; on a CPU the quantization and its reading back
+run in lowmem's C kernel, ``lowmem/kernels/lowmem_kernels.c``, with the same bits as the torch code
+here, which is their definition and the fallback, ``LOWMEM_KERNELS=torch``) with fake implementations, so the accounting's
 fake pass knows their output sizes, and with FLOP formulas (``QUANTIZE_FLOPS`` and
 ``DEQUANTIZE_FLOPS`` per element), so a profile's FLOPs include them: a FLOP-equivalent counts the
 arithmetic of one pass over the elements (range, subtract, scale, add noise, floor, clamp, pack: 8
@@ -53,6 +55,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import register_flop_formula
 
+from lowmem import kernels
+from lowmem.kernels import cpu
 from lowmem.kernels.reference import _fmix32_tensor, fmix32, tensor_keys
 from lowmem.profiler.activations import SAVED_FORM
 
@@ -124,6 +128,11 @@ def _unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return ((packed.unsqueeze(1) >> shifts) & (2**bits - 1)).view(-1)
 
 
+def _c_kernel(tensor: torch.Tensor) -> bool:
+    """Whether lowmem's C kernel does this CPU tensor's arithmetic (the same bits as the torch code)."""
+    return tensor.device.type == "cpu" and tensor.dtype in cpu.DTYPE_CODES and kernels.backend(tensor.device) == "cpu"
+
+
 @torch.library.custom_op("lowmem::quantize_activation", mutates_args=())
 def quantize_activation(x: torch.Tensor, bits: int, key: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` (any float dtype and shape) as (codes uint8, per-group minimum FP32, per-group step FP32)."""
@@ -133,6 +142,9 @@ def quantize_activation(x: torch.Tensor, bits: int, key: int) -> tuple[torch.Ten
     codes = torch.empty(code_bytes(count, bits), dtype=torch.uint8, device=x.device)
     lows = torch.empty(groups, dtype=torch.float32, device=x.device)
     steps = torch.empty(groups, dtype=torch.float32, device=x.device)
+    if _c_kernel(x):
+        cpu.quantize_activation(flat.contiguous(), bits, key, codes, lows, steps)
+        return codes, lows, steps
     for start in range(0, count, CHUNK):
         part = flat[start : start + CHUNK].float()
         pad = -part.numel() % GROUP
@@ -167,11 +179,15 @@ def dequantize_activation(
     """The values ``quantize_activation`` stored, in ``dtype`` and ``shape``."""
     count = math.prod(shape)
     out = torch.empty(count, dtype=dtype, device=codes.device)
+    if _c_kernel(out):
+        cpu.dequantize_activation(codes, lows, steps, bits, out)
+        return out.view(shape)
     for start in range(0, count, CHUNK):
         stop = min(start + CHUNK, count)
         first, last = start // GROUP, math.ceil(stop / GROUP)
         values = _unpack_codes(codes[first * GROUP * bits // 8 : last * GROUP * bits // 8], bits).view(-1, GROUP)
-        rows = torch.addcmul(lows[first:last, None], values.float(), steps[first:last, None])
+        # A multiply, then an add (no fused multiply-add): the C kernel's bits.
+        rows = values.float().mul_(steps[first:last, None]).add_(lows[first:last, None])
         out[start:stop] = rows.view(-1)[: stop - start]
     return out.view(shape)
 
