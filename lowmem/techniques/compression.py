@@ -29,14 +29,14 @@ and read it back (dequantized, in its own dtype) when backward needs it:
 Other saved-tensor hooks active around the forward (lowmem's accounting and measured peak, a user's
 own) still see every saved tensor: the codes, ranges and masks are handed to them in its place, so
 the accounting counts compressed bytes at their stored size. Quantizing and dequantizing are custom
-ops (``lowmem::quantize_activation`` and three more; on a CPU the quantization and its reading back
-run in lowmem's C kernel, ``lowmem/kernels/lowmem_kernels.c``, with the same bits as the torch code
-here, which is their definition and the fallback, ``LOWMEM_KERNELS=torch``) with fake implementations, so the accounting's
+ops (``lowmem::quantize_activation`` and three more) with fake implementations, so the accounting's
 fake pass knows their output sizes, and with FLOP formulas (``QUANTIZE_FLOPS`` and
 ``DEQUANTIZE_FLOPS`` per element), so a profile's FLOPs include them: a FLOP-equivalent counts the
 arithmetic of one pass over the elements (range, subtract, scale, add noise, floor, clamp, pack: 8
-per element to quantize; unpack, multiply-add: 2 to read back). They run chunk by chunk, so their
-scratch stays a few MB, like a kernel's.
+per element to quantize; unpack, multiply, add: 2 to read back). On a CPU they run in lowmem's C
+kernel (``lowmem/kernels/lowmem_kernels.c``) with the bits of the torch code here, which is their
+definition and the fallback (``LOWMEM_KERNELS=torch``, other devices); the torch code works chunk by
+chunk, so its scratch stays a few MB, like a kernel's.
 
 With ``checkpointing.strategy=optimal`` the hooks are installed without a default width and the
 planner's schedule compresses block by block (``compressed_saves``: a stored segment's width).
