@@ -34,8 +34,9 @@ and while the model's head runs forward and backward (every segment stored)
 The peak is a maximum of sums over prefixes of the chain, so a pass over block positions that keeps,
 per position, the Pareto set of (bytes stored so far, cost so far) finds the model's exact optimum:
 a partial schedule worse in both can never complete into a better one. Cost is compared as
-(FLOPs, blocks whose BN-ReLU is recomputed): BN recomputation is not counted as FLOPs by
-``torch.utils.flop_counter`` but takes time, so among equal FLOPs the plan recomputes least. The
+(FLOPs, blocks whose BN-ReLU is recomputed, how narrow the compressed blocks are): BN recomputation
+is not counted as FLOPs by ``torch.utils.flop_counter`` but takes time, so among equal FLOPs the
+plan recomputes least; every width costs the same passes, so among those it keeps the widest. The
 model is an estimate of the real accounting (context tensors read by every block count once per
 block, for one); ``lowmem.planning.optimal`` verifies the chosen schedule by the real accounting
 and adjusts the budget it gives this module until the real figure fits.
@@ -132,6 +133,7 @@ class _Option:
     work: int  # bytes alive at most while it is backpropagated
     flops: int
     norm_blocks: int  # blocks recomputing BN-ReLU
+    narrowing: int = 0  # compressed blocks weighted by how narrow: 8 bits 1, 4 bits 2, 2 bits 3
 
 
 def _norms(blocks: Sequence[BlockCosts]) -> tuple[bool, ...]:
@@ -146,7 +148,7 @@ def _option(blocks: Sequence[BlockCosts], segment: Segment) -> _Option:
         (block,) = blocks
         if segment.bits is not None:
             stored, peak, flops = block.compressed[(norm, segment.bits)]
-            return _Option(segment, stored, peak, flops, norm_blocks)
+            return _Option(segment, stored, peak, flops, norm_blocks, {8: 1, 4: 2, 2: 3}[segment.bits])
         return _Option(segment, block.stored_bytes[norm], block.peak_bytes[("stored", norm)], block.flops, norm_blocks)
     incoming = blocks[-1].output_bytes  # the segment's gradient, held until its backward returns
     work, before = 0, 0  # before: what the blocks before k hold while k is backpropagated
@@ -198,7 +200,7 @@ class _State:
     """A schedule of the chain's first blocks: bytes it stores, its cost, its peak so far."""
 
     stored: int
-    cost: tuple[int, int]  # (FLOPs, blocks recomputing BN-ReLU)
+    cost: tuple[int, int, int]  # (FLOPs, blocks recomputing BN-ReLU, compressed blocks' narrowing)
     peak: int
     previous: _State | None
     option: _Option | None
@@ -227,7 +229,7 @@ def _search(costs: ChainCosts, budget: int | None, minimize_peak: bool) -> _Stat
     options, stack_of = _options(costs), _stack_of(costs)
     count = len(costs.blocks)
     states: list[list[_State]] = [[] for _ in range(count + 1)]
-    states[0] = [_State(0, (0, 0), 0, None, None)]
+    states[0] = [_State(0, (0, 0, 0), 0, None, None)]
     for position in range(count + 1):
         if minimize_peak:
             states[position] = _pareto(states[position], lambda s: (s.stored, s.peak, s.cost), lambda s: s.peak)
@@ -241,7 +243,11 @@ def _search(costs: ChainCosts, budget: int | None, minimize_peak: bool) -> _Stat
                 moment = outside + state.stored + option.work
                 if budget is not None and moment > budget:
                     continue
-                cost = (state.cost[0] + option.flops, state.cost[1] + option.norm_blocks)
+                cost = (
+                    state.cost[0] + option.flops,
+                    state.cost[1] + option.norm_blocks,
+                    state.cost[2] + option.narrowing,
+                )
                 states[position + option.segment.blocks].append(
                     _State(state.stored + option.stored, cost, max(state.peak, moment), state, option)
                 )

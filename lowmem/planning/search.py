@@ -12,10 +12,11 @@ Searched knobs (one fixed on the command line is searched over its value only):
   first minibatch into (token microbatches must hold the longest sentence pair);
 - checkpointing: none, no_bn, residual every 1 and 2, residual_star every 1 to 4 (those the model's
   blocks support), and ``optimal`` with the activation budget the other knobs leave;
-- ``checkpointing.compress``: none, then 8, 4 and 2 bits (compressed saved activations), with
-  ``optimal`` only: its schedule compresses the stored blocks it chooses, at that width or wider
-  (every trainer of the search carries compression hooks without a width of their own, which change
-  no figure until a schedule sets one).
+- ``checkpointing.compress``, when the command line allows compressed saved activations down to a
+  width (``checkpointing.compress=4``: 8 or 4 bits): none, then each allowed width, widest first,
+  with ``optimal`` only (its schedule compresses the stored blocks it chooses, at that width or
+  wider; every trainer of the search then carries compression hooks without a width of their own,
+  which change no figure until a schedule sets one). Without it nothing is compressed, as before.
 
 Preference, in this order: the highest density (accuracy: the report's Tables 3 and 4 lose accuracy
 as density falls), then the widest optimizer state (the precision's own width, then 8, then 4 bits:
@@ -71,7 +72,7 @@ from lowmem.planning.optimal import AccountedSchedule, CheckpointPlacement, Mini
 from lowmem.planning.reported import reported_metric
 from lowmem.profiler import MB, StateBytes, account_state, step_temporaries
 from lowmem.techniques.checkpointing import apply_checkpointing
-from lowmem.techniques.compression import WIDTHS, allowed_widths, apply_compression, compression_of, validate_compress
+from lowmem.techniques.compression import allowed_widths, apply_compression, compression_of, validate_compress
 from lowmem.trainer import Trainer, build_trainer
 
 DENSITIES = (1.0, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05)  # the report's Table 3 / 4 and figure values
@@ -176,7 +177,8 @@ class Planner:
                 "set the budget with plan.budget_mb"
             )
         self.budget = budget_bytes
-        self.fixed = {knob_of(o) for o in given if knob_of(o) in SEARCHED}
+        # checkpointing.compress on the command line is the narrowest width allowed, searched down to.
+        self.fixed = {knob_of(o) for o in given if knob_of(o) in SEARCHED} - {"checkpointing.compress"}
         self.base = [o for o in given if knob_of(o) not in SEARCHED]
         self.cfg = compose_config(*given)
         cfg = self.cfg
@@ -223,16 +225,17 @@ class Planner:
         return ()  # the width of another searched precision: not this one's
 
     def _compressions(self) -> tuple[int | None, ...]:
-        """The checkpointing.compress values searched, widest first (None: uncompressed)."""
-        if "checkpointing.compress" not in self.fixed:
-            return (None, *WIDTHS) if self._optimal_allowed else (None,)
-        bits = validate_compress(self.cfg.checkpointing.compress)
-        if bits is not None and not self._optimal_allowed:
+        """The checkpointing.compress values searched, widest first (None: uncompressed): none, then
+        every width down to the command line's (none given: none only)."""
+        narrowest = validate_compress(self.cfg.checkpointing.compress)
+        if narrowest is None:
+            return (None,)
+        if not self._optimal_allowed:
             raise ConfigError(
-                f"checkpointing.compress={bits} is planned with checkpointing.strategy=optimal only (whose schedule "
-                "compresses the blocks it chooses); leave checkpointing.strategy unset, or set it to optimal"
+                f"checkpointing.compress={narrowest} is planned with checkpointing.strategy=optimal only (whose "
+                "schedule compresses the blocks it chooses); leave checkpointing.strategy unset, or set it to optimal"
             )
-        return (bits,)
+        return (None, *allowed_widths(narrowest))
 
     # --- the search ----------------------------------------------------------------------------
     def search(self, top: int, first: Callable[[Candidate], None] | None = None) -> list[Candidate]:
@@ -367,7 +370,10 @@ class Planner:
 
     def overrides(self, candidate: Candidate) -> list[str]:
         """The overrides to add to the command line planned with (knobs it fixed are left out)."""
-        return [f"{knob}={value}" for knob, value in candidate.knobs().items() if knob not in self.fixed]
+        overrides = [f"{knob}={value}" for knob, value in candidate.knobs().items() if knob not in self.fixed]
+        if candidate.compress is None and len(self.compressions) > 1:  # the command line allowed compression
+            overrides.append("checkpointing.compress=none")
+        return overrides
 
     def compose(self, candidate: Candidate) -> DictConfig:
         """The configuration ``lowmem.train <command line> <overrides>`` runs for ``candidate``."""
