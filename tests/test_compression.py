@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 
 import pytest
 import torch
@@ -252,6 +253,18 @@ def test_apply_schedule_compresses_only_the_segments_given_a_width(wrn_batch):
     assert hooks.compressed_bytes > 0
     with pytest.raises(ValueError, match="a width only when stored"):
         apply_schedule(model, [(Segment(3, "all_at_once", bits=8),)])
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_a_saved_output_never_backpropagated_is_freed(bits):
+    """What the hooks store holds no saved output's own graph (tanh saves its output; kept as it
+    is without a width): no reference cycle outlives the step."""
+    net = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+    apply_compression(net, bits)
+    output = net(torch.randn(128, 64))
+    freed = weakref.ref(output)
+    del output
+    assert freed() is None
 
 
 @pytest.mark.parametrize("value", [3, "16", 1.5, True, "fp8"])

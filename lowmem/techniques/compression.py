@@ -273,7 +273,9 @@ class _Packed:
             for part in parts:  # how the accounting (lowmem.profiler.activations) tells them apart
                 setattr(part, SAVED_FORM, "compressed")
         self.unpack_outer = None if outer is None else outer[1]
-        self.parts = parts if outer is None else [outer[0](part) for part in parts]
+        # Kept detached (as autograd's own hooks need): a saved output holding its own grad_fn through
+        # this object would be a reference cycle no collector sees, and leak every step.
+        self.parts = [part.detach() for part in parts] if outer is None else [outer[0](part) for part in parts]
 
     def tensors(self) -> list[torch.Tensor]:
         return self.parts if self.unpack_outer is None else [self.unpack_outer(part) for part in self.parts]

@@ -148,7 +148,7 @@ class _Kept:
 
     def __init__(self, tensor: torch.Tensor, outer: tuple | None) -> None:
         self.unpack_outer = None if outer is None else outer[1]
-        self.packed = tensor if outer is None else outer[0](tensor)
+        self.packed = tensor.detach() if outer is None else outer[0](tensor)  # detached: no cycle via grad_fn
 
     def tensor(self) -> torch.Tensor:
         return self.packed if self.unpack_outer is None else self.unpack_outer(self.packed)
