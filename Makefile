@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-translation test test-fast lint bench bench-accuracy gpu-check gpu-report fairseq docs clean-venv
+.PHONY: demo demo-translation test test-fast lint bench bench-accuracy bench-compress-accuracy gpu-check gpu-report fairseq docs clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,11 +53,18 @@ bench: $(STAMP)
 	$(PY) scripts/bench_your_model.py
 	$(PY) scripts/bench_state_bits.py --part bytes
 	$(PY) scripts/bench_state_bits.py --part blocks
+	$(PY) scripts/bench_compress.py --part memory
+	$(PY) scripts/bench_compress.py --part planner
 
 # 8- and 4-bit optimizer state against 16-bit: WRN-28-2 and DynamicConv accuracy over 3 seeds
 # (~90 min on 2 CPU cores; resumable: finished runs are kept under outputs/bench_state_bits).
 bench-accuracy: $(STAMP)
 	$(PY) scripts/bench_state_bits.py --part accuracy --seeds 0 1 2 --json outputs/bench_state_bits/accuracy.json
+
+# Compressed saved activations (checkpointing.compress) against uncompressed: WRN-28-2 BF16 on digits (none,
+# 8, 4, 2 bits) and DynamicConv on phrases (none, 8) over 3 seeds (resumable: outputs/bench_compress).
+bench-compress-accuracy: $(STAMP)
+	$(PY) scripts/bench_compress.py --part accuracy --seeds 0 1 2 --json outputs/bench_compress/accuracy.json
 
 # Optional: fairseq (a Python 3.11 fork, built against the installed torch, ~4 min) for the parity
 # tests in tests/test_fairseq_parity.py, which are skipped without it.

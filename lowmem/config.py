@@ -23,6 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from lowmem.libraries import WORKSPACES
+from lowmem.techniques.compression import validate_compress
 from lowmem.techniques.cpu_compute import CPU_COMPUTE
 from lowmem.techniques.precision import PRECISIONS
 from lowmem.techniques.replay import CUDA_GRAPHS
@@ -245,6 +246,17 @@ class CheckpointingConfig:
         "blocks: `checkpointing.blocks=[layer3,layer4]`) or one block class name (`checkpointing.blocks=BasicBlock`)."
         " Null: a model that declares residual blocks (the built-in recipes) uses them; any other model's chains "
         "of blocks are detected.",
+    )
+    compress: Any = knob(
+        "none",
+        "`none`, `8`, `4` or `2`: bits per element of the activations kept blocks save for backward, stored "
+        "blockwise quantized (per-group ranges, unbiased counter-based stochastic rounding; ReLU masks stay 1-bit). "
+        "With `optimal`: the narrowest width the dynamic program may choose, block by block.",
+    )
+    offload: bool = knob(
+        False,
+        "CUDA only (a CPU run is refused): what kept blocks save is copied to pinned host memory on a side stream "
+        "in forward and prefetched back in reverse order during backward; host bytes are accounted.",
     )
 
 
@@ -591,6 +603,16 @@ def validate(cfg: DictConfig | Config) -> None:
         "must be an integer >= 1",
     )
     name_list(cfg.checkpointing.blocks, "checkpointing.blocks")
+    try:
+        validate_compress(cfg.checkpointing.compress)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    _require(
+        isinstance(cfg.checkpointing.offload, bool),
+        "checkpointing.offload",
+        cfg.checkpointing.offload,
+        "true or false",
+    )
     name_list(cfg.sparsity.include, "sparsity.include")
     name_list(cfg.sparsity.exclude, "sparsity.exclude")
     _require(cfg.logger.name in ("none", "wandb"), "logger", cfg.logger.name, "one of none, wandb")

@@ -7,7 +7,9 @@ the first minibatch) plus the step's temporaries a real step holds beyond it (``
 compact sparse positions as stored, dense weight temporaries, gradient accumulation, the largest op
 temporary) is at most X MB (1e6 bytes); any searched knob given on the command line is
 fixed to that value (``lowmem.planning.search``). Preference: the highest density (accuracy), then
-the widest optimizer state (accuracy), then the largest microbatch (speed), then the fewest FLOPs.
+the widest optimizer state (accuracy), then the widest saved activations (``checkpointing.compress``
+with optimal checkpointing: none, 8, 4, 2 bits), then the largest microbatch (speed), then the
+fewest FLOPs.
 
 Prints a table of the best ``plan.top`` configurations (state bits, accounted total, FLOPs, and the
 accuracy the report measured for them where it has a figure), then the chosen one built and

@@ -47,10 +47,12 @@ from lowmem.schedules import learning_rate
 from lowmem.signals import Interrupted, StopOnSignal
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.compact import compact_state_dict_keys, dense_copy, dense_state_dict
+from lowmem.techniques.compression import allowed_widths, apply_compression, compression_of, validate_compress
 from lowmem.techniques.convolutions import tune_convolutions
 from lowmem.techniques.cpu_compute import choices as cpu_compute_choices
 from lowmem.techniques.cpu_compute import context_for, summary
 from lowmem.techniques.microbatch import apply_simulated_microbatching, no_sync_except_last
+from lowmem.techniques.offload import apply_offload, offload_of
 from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
 from lowmem.techniques.precision import (
     PrecisionPolicy,
@@ -124,8 +126,13 @@ class Trainer:
             self.scaler,
             lambda part: autocast_context(policy, model_device(self.unwrapped_model, device)),
         )
+        # Compressed or offloaded saved activations draw their random bits per step (and offloading
+        # synchronises streams) outside what a captured graph can replay: those runs stay eager.
+        self.compression = compression_of(self.unwrapped_model)
+        self.offload = offload_of(self.unwrapped_model)
+        eager_only = self.compression is not None or self.offload is not None
         self.microbatch_runner = make_microbatch_runner(
-            cfg.trainer.cuda_graphs,
+            "off" if eager_only else cfg.trainer.cuda_graphs,
             self.eager_microbatches,
             self.unwrapped_model,
             device,
@@ -219,6 +226,8 @@ class Trainer:
         parts = self.microbatches(batch)
         loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
         for index, (part, weight) in enumerate(parts):
+            if self.compression is not None:  # the random bits of this microbatch (a resume draws the same)
+                self.compression.start_microbatch(self.state.step, index)
             loss_total += self.microbatch_backward(part, weight, index, len(parts)).float() * weight
         # 3. Sparsity: zero gradients at inactive positions (torch.where, so a NaN/inf there
         #    cannot trigger an overflow skip) before the overflow check.
@@ -640,6 +649,11 @@ def start_run(cfg: DictConfig) -> tuple[torch.device, PrecisionPolicy]:
     device = resolve_device(cfg.trainer.device)
     distributed.check_batch_divisible(cfg.data.batch_size)
     torch.manual_seed(cfg.trainer.seed)
+    if cfg.checkpointing.offload and device.type != "cuda":
+        raise ConfigError(
+            f"checkpointing.offload=true needs a CUDA device (it copies saved activations to pinned host memory "
+            f"on a side stream); this run is on {device.type}: use checkpointing.offload=false"
+        )
     # A technique refusing the configuration raises ValueError naming the knob: a ConfigError here.
     with _refusals_as_config_errors():
         # Before anything runs on the device: the CUDA libraries read their workspace sizes once.
@@ -711,15 +725,31 @@ def apply_techniques(
     #    whatever the blocks have become. `optimal` places checkpoints for this rank's first
     #    minibatch, accounted through a provisional trainer over the unwrapped model: the very step
     #    lowmem.profile accounts, so its budget holds for the figure lowmem.profile prints.
+    #    Compressed saved activations are saved-tensor hooks around the model's forward: a fixed
+    #    strategy stores everything kept at one width; under `optimal` the schedule sets a width per
+    #    stored segment, so the hooks go on first (the planner accounts through them).
+    #    Offloading (CUDA) goes on first: its hooks are then the outer ones, and what compression
+    #    stores is what it copies to the host.
     blocks = name_list(cfg.checkpointing.blocks, "checkpointing.blocks")
+    compress = validate_compress(cfg.checkpointing.compress)
+    if cfg.checkpointing.offload:
+        with _refusals_as_config_errors():
+            apply_offload(model, device=device)
     if cfg.checkpointing.strategy == "optimal":
+        if compress is not None:
+            apply_compression(model, None, seed=cfg.trainer.seed)
         provisional = Trainer(cfg, recipe, model, data, policy, sparsity, defaults, device)
         with _refusals_as_config_errors():
-            apply_optimal_checkpointing(provisional, cfg.checkpointing.budget_mb, blocks)
+            apply_optimal_checkpointing(
+                provisional, cfg.checkpointing.budget_mb, blocks, widths=allowed_widths(compress)
+            )
         del provisional  # its optimizer state must not coexist with the real trainer's
-    elif cfg.checkpointing.strategy != "none" or blocks:
-        with _refusals_as_config_errors():
-            apply_checkpointing(model, cfg.checkpointing.strategy, cfg.checkpointing.every, blocks)
+    else:
+        if cfg.checkpointing.strategy != "none" or blocks:
+            with _refusals_as_config_errors():
+                apply_checkpointing(model, cfg.checkpointing.strategy, cfg.checkpointing.every, blocks)
+        if compress is not None:
+            apply_compression(model, compress, seed=cfg.trainer.seed)
     # 6. Data parallel wrapper outermost (it hooks the gradients of the final parameters).
     model = distributed.wrap_model(model, device, sync_batchnorm=cfg.trainer.sync_batchnorm)
     if sparsity is not None:

@@ -96,6 +96,7 @@ def techniques(recipe: str) -> dict[str, list[str]]:
         "ckpt-no_bn": ["checkpointing.strategy=no_bn"],
         "ckpt-residual": ["checkpointing.strategy=residual", "checkpointing.every=2"],
         "ckpt-residual_star": ["checkpointing.strategy=residual_star", "checkpointing.every=2"],
+        "ckpt-compress4": ["checkpointing.compress=4"],
         "all": ["sparsity.density=0.3", microbatch, "microbatch.mode=true", "checkpointing.strategy=residual",
                 "checkpointing.every=1"],
     }

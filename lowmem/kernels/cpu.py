@@ -70,6 +70,8 @@ _SIGNATURES |= {
 _SIGNATURES |= {
     "lowmem_densify": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i32],
     "lowmem_gather": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i32],
+    "lowmem_quantize_activation": [_i64, _ptr, _i32, _i32, ctypes.c_uint32, _i64, _i64, _ptr, _ptr, _ptr],
+    "lowmem_dequantize_activation": [_i64, _ptr, _ptr, _ptr, _i32, _ptr, _i32, _i64, _i64],
 }
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
@@ -400,3 +402,48 @@ def gather(
     """``out`` := the entries of ``dense`` (flat, ``out``'s dtype) at the active positions."""
     library().lowmem_gather(out.data_ptr(), dense.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
                             row_starts.numel() - 1, row, out.element_size())  # fmt: skip
+def _group_shards(groups: int) -> list[tuple[int, int]]:
+    """Groups [0, groups) cut into up to ``torch.get_num_threads()`` (first, count) ranges."""
+    threads = torch.get_num_threads() if groups * 256 >= PARALLEL_ELEMENTS else 1
+    per = -(-groups // max(1, threads))
+    return [(first, min(per, groups - first)) for first in range(0, groups, per)]
+
+
+def _run_groups(call: Callable[[int, int], None], groups: int) -> None:
+    shards = _group_shards(groups)
+    if len(shards) == 1:
+        call(*shards[0])
+        return
+    for future in [_pool(len(shards)).submit(call, *shard) for shard in shards]:
+        future.result()
+
+
+def quantize_activation(
+    x: torch.Tensor, bits: int, key: int, codes: torch.Tensor, lows: torch.Tensor, steps: torch.Tensor
+) -> None:
+    """``lowmem.techniques.compression``'s quantization of a contiguous CPU tensor (FP32, FP16 or BF16)
+    into ``codes``, ``lows`` and ``steps`` with the C kernel: the torch version's bits."""
+    lib, count = library(), x.numel()
+
+    def call(first: int, groups: int) -> None:
+        lib.lowmem_quantize_activation(
+            count, x.data_ptr(), DTYPE_CODES[x.dtype], bits, key & 0xFFFFFFFF, first, groups,
+            codes.data_ptr(), lows.data_ptr(), steps.data_ptr(),
+        )  # fmt: skip
+
+    _run_groups(call, lows.numel())
+
+
+def dequantize_activation(
+    codes: torch.Tensor, lows: torch.Tensor, steps: torch.Tensor, bits: int, out: torch.Tensor
+) -> None:
+    """The values ``quantize_activation`` stored, into the contiguous CPU tensor ``out``."""
+    lib, count = library(), out.numel()
+
+    def call(first: int, groups: int) -> None:
+        lib.lowmem_dequantize_activation(
+            count, codes.data_ptr(), lows.data_ptr(), steps.data_ptr(), bits, out.data_ptr(), DTYPE_CODES[out.dtype],
+            first, groups,
+        )  # fmt: skip
+
+    _run_groups(call, lows.numel())

@@ -350,3 +350,102 @@ void lowmem_gather(void *out, const void *dense, const int16_t *columns, const i
     else if (element_size == 4) { GATHER(uint32_t) }
     else { GATHER(uint64_t) }
 }
+
+/* Saved activations quantized for backward (lowmem/techniques/compression.py, whose torch version is
+ * the definition, operation for operation): groups of ACTIVATION_GROUP elements, each with its minimum
+ * and step (FP32; the last group padded with its last value), codes floor((x - min) * (1 / step) + u)
+ * clamped to [0, 2^bits - 1], u = (byte + 0.5) / 256 with the byte (e mod 4) of fmix32 over the word
+ * e / 4 of element e, packed 8 / bits to a byte, the first in the low bits. Groups
+ * [first_group, first_group + groups) of a tensor of `count` elements. */
+#define ACTIVATION_GROUP 256
+
+/* Specialized per width and dtype (constants inside the loops, as SPECIALIZED above): vectorized. */
+#define FOR_WIDTH_AND_DTYPE(call, bits, dtype)                                                     \
+    do {                                                                                            \
+        if ((dtype) == FP32) { if ((bits) == 8) call(8, FP32); else if ((bits) == 4) call(4, FP32); else call(2, FP32); } \
+        else if ((dtype) == BF16) { if ((bits) == 8) call(8, BF16); else if ((bits) == 4) call(4, BF16); else call(2, BF16); } \
+        else { if ((bits) == 8) call(8, FP16); else if ((bits) == 4) call(4, FP16); else call(2, FP16); } \
+    } while (0)
+
+ALWAYS_INLINE void quantize_groups(int64_t count, const void *x, uint32_t key, int64_t first_group, int64_t groups,
+                                   uint8_t *codes, float *lows, float *steps, const int bits, const int dtype) {
+    const int levels = (1 << bits) - 1, per_byte = 8 / bits;
+    float v[ACTIVATION_GROUP], u[ACTIVATION_GROUP];
+    uint8_t q[ACTIVATION_GROUP];
+    for (int64_t g = first_group; g < first_group + groups; g++) {
+        int64_t start = g * ACTIVATION_GROUP;
+        int64_t n = count - start < ACTIVATION_GROUP ? count - start : ACTIVATION_GROUP;
+        if (n == ACTIVATION_GROUP) {
+            for (int i = 0; i < ACTIVATION_GROUP; i++) v[i] = load_any(x, start + i, dtype);
+        } else {
+            for (int64_t i = 0; i < n; i++) v[i] = load_any(x, start + i, dtype);
+            for (int64_t i = n; i < ACTIVATION_GROUP; i++) v[i] = v[n - 1];
+        }
+        float low = v[0], high = v[0];
+        for (int i = 1; i < ACTIVATION_GROUP; i++) {
+            low = v[i] < low ? v[i] : low;
+            high = v[i] > high ? v[i] : high;
+        }
+        float step = (high - low) / (float)levels;
+        float inv = step > 0.0f ? 1.0f / step : 0.0f;
+        lows[g] = low;
+        steps[g] = step;
+        for (int i = 0; i < ACTIVATION_GROUP / 4; i++) {
+            uint32_t word = fmix32(key ^ ((uint32_t)((start >> 2) + i) * 0x27d4eb2fu));
+            for (int j = 0; j < 4; j++) u[4 * i + j] = ((float)((word >> (8 * j)) & 255u) + 0.5f) * 0x1p-8f;
+        }
+        for (int i = 0; i < ACTIVATION_GROUP; i++) {
+            float s = floorf((v[i] - low) * inv + u[i]);
+            s = s < 0.0f ? 0.0f : s;
+            s = s > (float)levels ? (float)levels : s;
+            q[i] = (uint8_t)s;
+        }
+        uint8_t *out = codes + start * bits / 8;
+        for (int i = 0; i < ACTIVATION_GROUP / per_byte; i++) {
+            uint8_t byte = 0;
+            for (int j = 0; j < per_byte; j++) byte |= (uint8_t)(q[i * per_byte + j] << (j * bits));
+            out[i] = byte;
+        }
+    }
+}
+
+/* Saved activations quantized for backward (lowmem/techniques/compression.py, whose torch version is
+ * the definition, operation for operation): groups of ACTIVATION_GROUP elements, each with its minimum
+ * and step (FP32; the last group padded with its last value), codes floor((x - min) * (1 / step) + u)
+ * clamped to [0, 2^bits - 1], u = (byte + 0.5) / 256 with the byte (e mod 4) of fmix32 over the word
+ * e / 4 of element e, packed 8 / bits to a byte, the first in the low bits. Groups
+ * [first_group, first_group + groups) of a tensor of `count` elements. */
+void lowmem_quantize_activation(int64_t count, const void *x, int dtype, int bits, uint32_t key, int64_t first_group,
+                                int64_t groups, uint8_t *codes, float *lows, float *steps) {
+#define QUANTIZE(B, D) quantize_groups(count, x, key, first_group, groups, codes, lows, steps, B, D)
+    FOR_WIDTH_AND_DTYPE(QUANTIZE, bits, dtype);
+#undef QUANTIZE
+}
+
+ALWAYS_INLINE void dequantize_groups(int64_t count, const uint8_t *codes, const float *lows, const float *steps,
+                                     void *out, int64_t first_group, int64_t groups, const int bits, const int dtype) {
+    const int mask = (1 << bits) - 1, per_byte = 8 / bits;
+    float value[ACTIVATION_GROUP];
+    for (int64_t g = first_group; g < first_group + groups; g++) {
+        int64_t start = g * ACTIVATION_GROUP;
+        int64_t n = count - start < ACTIVATION_GROUP ? count - start : ACTIVATION_GROUP;
+        const uint8_t *in = codes + start * bits / 8;
+        float low = lows[g], step = steps[g];
+        for (int i = 0; i < ACTIVATION_GROUP / per_byte; i++)
+            for (int j = 0; j < per_byte; j++)
+                value[i * per_byte + j] = (float)((in[i] >> (j * bits)) & mask) * step + low;
+        for (int64_t i = 0; i < n; i++) {
+            if (dtype == FP32) ((float *)out)[start + i] = value[i];
+            else ((uint16_t *)out)[start + i] = round_nearest(value[i], dtype);
+        }
+    }
+}
+
+/* The values back, (float)code * step + min (a multiply, then an add), stored in dtype (rounded to
+ * nearest even); elements of groups [first_group, first_group + groups) below `count`. */
+void lowmem_dequantize_activation(int64_t count, const uint8_t *codes, const float *lows, const float *steps, int bits,
+                                  void *out, int dtype, int64_t first_group, int64_t groups) {
+#define DEQUANTIZE(B, D) dequantize_groups(count, codes, lows, steps, out, first_group, groups, B, D)
+    FOR_WIDTH_AND_DTYPE(DEQUANTIZE, bits, dtype);
+#undef DEQUANTIZE
+}

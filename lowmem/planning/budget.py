@@ -39,7 +39,8 @@ def table(planner: Planner, found: list[Candidate], budget_mb: float) -> str:
     metric = next((m[0] for m in map(planner.reported, found) if m is not None), "report's figure")
     lines = [
         f"configurations whose accounted total fits {budget_mb:g} MB, best first "
-        "(highest density, then widest optimizer state, then largest microbatch, then fewest FLOPs):",
+        "(highest density, then widest optimizer state, then widest saved activations, then largest microbatch, "
+        "then fewest FLOPs):",
         f"{'#':>3}  {'density':>7}  {'precision':<9}  {'state bits':>10}  {'microbatch':>10}  {'checkpointing':<15}  "
         f"{'activations MB':>14}  {'total MB':>9}  {'GFLOP':>7}  {metric} (cost)",
     ]
@@ -118,6 +119,7 @@ def plan_search(
         "optimizer_bytes": row["optimizer_bytes"],
         "optimizer_state_bytes": row.get("optimizer_state_bytes"),
         "state_bits": chosen.bits,
+        "compress": chosen.compress,
         "activation_bytes": row["activation_bytes"],
         "flops": row["flops"],
         "peak_bytes": row["peak_bytes"],

@@ -45,6 +45,7 @@ from lowmem.profiler.step import distinct_microbatches
 from lowmem.residual import residual_stacks, routes_norm_relu_conv, run_sequentially, set_block_executor
 from lowmem.techniques.chains import find_block_chains, install_chains, installed_runners
 from lowmem.techniques.checkpointing import Segment, apply_checkpointing, run_segments, set_recompute_norm
+from lowmem.techniques.compression import ActivationCompression, compression_of
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,7 @@ def outside_pass(trainer: Any, part: Any, weight: float, passes: FakePasses | No
 
 
 def measure_chain(
-    trainer: Any, outside_flops: bool = True, outside: Sequence[OutsidePass | None] = ()
+    trainer: Any, outside_flops: bool = True, outside: Sequence[OutsidePass | None] = (), widths: Sequence[int] = ()
 ) -> ChainCosts:
     """The DP's figures for ``trainer``'s first minibatch (see the module docstring).
 
@@ -284,12 +285,14 @@ def measure_chain(
         They add the same to every schedule: the DP chooses the same ones either way.
     outside: ``OutsidePass``es already run, per distinct microbatch shape in
         ``distinct_microbatches`` order (None or missing: run here).
+    widths: the widths a stored block may be compressed at (``checkpointing.compress``: the model
+        has compression hooks installed, ``lowmem.techniques.compression``); each is measured.
     """
     model = _ready_to_measure(trainer)
     distinct = distinct_microbatches(trainer, trainer.example_batch())
     try:
         chains = [
-            (_measure_microbatch(trainer, part, weight, outside_flops, known), count)
+            (_measure_microbatch(trainer, part, weight, outside_flops, known, widths), count)
             for (part, weight, count), known in itertools.zip_longest(distinct, outside[: len(distinct)])
         ]
     finally:
@@ -327,7 +330,12 @@ def _record_with(model: nn.Module, recorder: _Recorder | None) -> None:
 
 
 def _measure_microbatch(
-    trainer: Any, part: Any, weight: float, outside_flops: bool, outside: OutsidePass | None = None
+    trainer: Any,
+    part: Any,
+    weight: float,
+    outside_flops: bool,
+    outside: OutsidePass | None = None,
+    widths: Sequence[int] = (),
 ) -> ChainCosts:
     model = trainer.unwrapped_model
     stacks = _stacks(model)
@@ -356,7 +364,7 @@ def _measure_microbatch(
             for index, block in enumerate(stacks[call.stack]):
                 key = _signature(block, call, index)
                 if key not in measured:
-                    measured[key] = _measure_block(block, call, index, passes)
+                    measured[key] = _measure_block(block, call, index, passes, compression_of(model), widths)
                 blocks.append(measured[key])
     outside_peak = outside.activation_bytes
     sizes = tuple(len(stacks[call.stack]) for call in calls)
@@ -392,9 +400,17 @@ def _chained_tensor(output: Any) -> torch.Tensor:
     return next(leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor))
 
 
-def _measure_block(block: nn.Module, call: _StackCall, index: int, passes: FakePasses) -> BlockCosts:
+def _measure_block(
+    block: nn.Module,
+    call: _StackCall,
+    index: int,
+    passes: FakePasses,
+    compression: ActivationCompression | None = None,
+    widths: Sequence[int] = (),
+) -> BlockCosts:
     """One block's figures: a fake forward + backward per way it can run (``passes``: the model's,
-    whose fake parameters the block reads)."""
+    whose fake parameters the block reads); stored compressed at each of ``widths`` through the
+    model's ``compression`` hooks, when it has them."""
     spec = call.inputs[index]
 
     def run(segment: Segment) -> Callable[[], None]:
@@ -403,7 +419,9 @@ def _measure_block(block: nn.Module, call: _StackCall, index: int, passes: FakeP
             x = spec.make()
             keywords = call.make_keywords(index)
             runnable = _WithKeywords(block, keywords) if keywords else block
-            with call.autocast_context():
+            # The model's compression hooks around the block alone, as around the model's forward.
+            saving = contextlib.nullcontext() if compression is None else compression.saving()
+            with call.autocast_context(), saving:
                 out = run_segments([runnable], x.view_as(x), call.make_context(index), (segment,))
             out = _chained_tensor(out)
             out.backward(torch.empty_like(out))
@@ -422,6 +440,11 @@ def _measure_block(block: nn.Module, call: _StackCall, index: int, passes: FakeP
     else:  # one block recursively is all_at_once: no input to recompute, no convolution to skip
         traces[("recursively", False)] = traces[("all_at_once", False)]
     stored = traces[("stored", False)]
+    compressed = {}
+    for bits in widths if compression is not None else ():
+        for norm in norms:
+            trace = passes.account(run(Segment(1, "stored", norm, bits)))
+            compressed[(norm, bits)] = (trace.stored_before_backward, trace.activation_bytes, trace.flops)
     output = call.inputs[index + 1]
     return BlockCosts(
         input_bytes=traces[("all_at_once", False)].stored_before_backward,
@@ -432,6 +455,7 @@ def _measure_block(block: nn.Module, call: _StackCall, index: int, passes: FakeP
         forward_flops=traces[("all_at_once", False)].flops - stored.flops,
         rebuild_flops=traces[("recursively", routes)].flops - stored.flops,
         routes_norm=routes,
+        compressed=compressed,
     )
 
 
@@ -453,6 +477,14 @@ def _merge(chains: list[tuple[ChainCosts, int]]) -> ChainCosts:
                 forward_flops=sum(b.forward_flops * n for b, n in figures),
                 rebuild_flops=sum(b.rebuild_flops * n for b, n in figures),
                 routes_norm=first.blocks[position].routes_norm,
+                compressed={
+                    k: (
+                        max(b.compressed[k][0] for b in costs),
+                        max(b.compressed[k][1] for b in costs),
+                        sum(b.compressed[k][2] * n for b, n in figures),
+                    )
+                    for k in first.blocks[position].compressed
+                },
             )
         )
     return ChainCosts(

@@ -172,10 +172,13 @@ class CheckpointPlacement:
 
     trainer: a ``lowmem.trainer.Trainer`` over the model to checkpoint (see ``measure_chain``);
     its model runs whichever schedule was accounted or applied last.
+    widths: the widths a stored block may be compressed at (``checkpointing.compress`` and wider;
+    the model has compression hooks installed), none: blocks are kept or recomputed.
     """
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Any, widths: Sequence[int] = ()) -> None:
         self.trainer = trainer
+        self.widths = tuple(widths)
         self._costs: ChainCosts | None = None
         self._accounted: dict[str, AccountedSchedule] = {}
         self._smallest: AccountedSchedule | None = None
@@ -187,7 +190,7 @@ class CheckpointPlacement:
     def moved_to(self, trainer: Any) -> CheckpointPlacement:
         """This placement's figures standing for ``trainer`` (the same configuration but for the
         density, which changes no activation), whose model it then applies schedules to."""
-        placement = CheckpointPlacement(trainer)
+        placement = CheckpointPlacement(trainer, self.widths)
         placement.merge({**self.found(), "figures": None})  # per-shape figures stay with their trainer
         return placement
 
@@ -224,7 +227,7 @@ class CheckpointPlacement:
         if self._costs is None:
             with _own_random_streams(self.trainer):
                 outside = [self._outside.get(index) for index in range(len(self._distinct()))]
-                self._costs = measure_chain(self.trainer, outside_flops=False, outside=outside)
+                self._costs = measure_chain(self.trainer, outside_flops=False, outside=outside, widths=self.widths)
         return self._costs
 
     def _distinct(self) -> list[tuple[Any, float, int]]:
@@ -347,20 +350,25 @@ def _agreed_across_ranks(placement: CheckpointPlacement, budget: int) -> Account
     return max((chosen for _, chosen in gathered), key=lambda pair: pair[0])[1]
 
 
-def apply_optimal_checkpointing(trainer: Any, budget_mb: float, blocks: Sequence[str] = ()) -> OptimalCheckpointing:
+def apply_optimal_checkpointing(
+    trainer: Any, budget_mb: float, blocks: Sequence[str] = (), widths: Sequence[int] = ()
+) -> OptimalCheckpointing:
     """Apply to ``trainer``'s model the cheapest schedule whose accounted activations fit ``budget_mb``
     (MB = 1e6 bytes); raise ``BudgetTooSmall`` (a ConfigError) when none does.
 
     trainer: a ``lowmem.trainer.Trainer`` over the model to checkpoint (see ``measure_chain``).
     blocks: ``checkpointing.blocks``, the chains of blocks to place checkpoints in (a model that
         declares no residual stacks has its chains detected when none are named).
+    widths: the widths (bits) a stored block may be compressed at (``checkpointing.compress`` and
+        wider, ``lowmem.techniques.compression.allowed_widths``; the model must have compression
+        hooks installed); empty: every block is kept or recomputed, as before.
     """
     if budget_mb is None or not math.isfinite(budget_mb) or budget_mb <= 0:
         raise ConfigError(f"checkpointing.budget_mb={budget_mb!r} is not allowed: a finite number of MB > 0")
     ensure_chains(trainer.unwrapped_model, blocks)
     budget = round(budget_mb * MB)
     reused = _REUSED.get()
-    placement = CheckpointPlacement(trainer) if reused is None else reused.moved_to(trainer)
+    placement = CheckpointPlacement(trainer, widths) if reused is None else reused.moved_to(trainer)
     best = _agreed_across_ranks(placement, budget)
     result = OptimalCheckpointing(
         placement.apply(best),

@@ -16,7 +16,9 @@ and while the model's head runs forward and backward (every segment stored)
 
     outside_peak + sum of stored(s') over all segments.
 
-- stored(s): a stored block keeps what it saves for backward; a checkpointed segment its input.
+- stored(s): a stored block keeps what it saves for backward (compressed at 8, 4 or 2 bits, when
+  ``checkpointing.compress`` allows it: its codes, ranges and sign masks); a checkpointed segment
+  its input.
 - work(s), the most alive while one of its blocks k is backpropagated (last block first):
   stored block: its own peak alone (what it saved, the gradient coming in, those it computes);
   all_at_once: the recomputed graphs of the blocks before k, plus k's peak as a one-block segment,
@@ -25,13 +27,16 @@ and while the model's head runs forward and backward (every segment stored)
   as a one-block segment, plus the segment's incoming gradient when k is not the last.
 - FLOPs: every block's forward and backward; ``all_at_once`` adds every block's forward,
   ``recursively`` the forward of every block but the last (the sweep recomputing block inputs) and
-  every block's rebuilt graph (without a last convolution whose output is never read).
+  every block's rebuilt graph (without a last convolution whose output is never read); a
+  compressed stored block adds its quantization passes (``lowmem.techniques.compression``'s
+  FLOP-equivalents per element quantized and read back, as the accounting counts them).
 
 The peak is a maximum of sums over prefixes of the chain, so a pass over block positions that keeps,
 per position, the Pareto set of (bytes stored so far, cost so far) finds the model's exact optimum:
 a partial schedule worse in both can never complete into a better one. Cost is compared as
-(FLOPs, blocks whose BN-ReLU is recomputed): BN recomputation is not counted as FLOPs by
-``torch.utils.flop_counter`` but takes time, so among equal FLOPs the plan recomputes least. The
+(FLOPs, blocks whose BN-ReLU is recomputed, how narrow the compressed blocks are): BN recomputation
+is not counted as FLOPs by ``torch.utils.flop_counter`` but takes time, so among equal FLOPs the
+plan recomputes least; every width costs the same passes, so among those it keeps the widest. The
 model is an estimate of the real accounting (context tensors read by every block count once per
 block, for one); ``lowmem.planning.optimal`` verifies the chosen schedule by the real accounting
 and adjusts the budget it gives this module until the real figure fits.
@@ -40,7 +45,7 @@ and adjusts the budget it gives this module until the real figure fits.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lowmem.techniques.checkpointing import Segment
 
@@ -61,6 +66,8 @@ class BlockCosts:
     forward_flops: int  # one forward more (a recomputation)
     rebuild_flops: int  # its graph rebuilt for a recursive backprop
     routes_norm: bool  # can recompute BN-ReLU (routes its triples through norm_relu_conv)
+    # Stored compressed, per (recompute_norm, bits): (stored bytes, peak bytes, FLOPs) as above.
+    compressed: Mapping[tuple[bool, int], tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -109,8 +116,9 @@ def merge_stored(segments: Sequence[Segment]) -> tuple[Segment, ...]:
             previous
             and segment.backprop == previous.backprop == "stored"
             and (segment.recompute_norm == previous.recompute_norm)
+            and segment.bits == previous.bits
         ):
-            merged[-1] = Segment(previous.blocks + segment.blocks, "stored", segment.recompute_norm)
+            merged[-1] = Segment(previous.blocks + segment.blocks, "stored", segment.recompute_norm, segment.bits)
         else:
             merged.append(segment)
     return tuple(merged)
@@ -125,6 +133,7 @@ class _Option:
     work: int  # bytes alive at most while it is backpropagated
     flops: int
     norm_blocks: int  # blocks recomputing BN-ReLU
+    narrowing: int = 0  # compressed blocks weighted by how narrow: 8 bits 1, 4 bits 2, 2 bits 3
 
 
 def _norms(blocks: Sequence[BlockCosts]) -> tuple[bool, ...]:
@@ -137,6 +146,9 @@ def _option(blocks: Sequence[BlockCosts], segment: Segment) -> _Option:
     norm_blocks = len(blocks) if norm else 0
     if segment.backprop == "stored":
         (block,) = blocks
+        if segment.bits is not None:
+            stored, peak, flops = block.compressed[(norm, segment.bits)]
+            return _Option(segment, stored, peak, flops, norm_blocks, {8: 1, 4: 2, 2: 3}[segment.bits])
         return _Option(segment, block.stored_bytes[norm], block.peak_bytes[("stored", norm)], block.flops, norm_blocks)
     incoming = blocks[-1].output_bytes  # the segment's gradient, held until its backward returns
     work, before = 0, 0  # before: what the blocks before k hold while k is backpropagated
@@ -163,6 +175,9 @@ def _options(costs: ChainCosts) -> list[list[_Option]]:
         for a in range(start, stop):
             for norm in _norms(costs.blocks[a : a + 1]):
                 options[a].append(_option(costs.blocks[a : a + 1], Segment(1, "stored", norm)))
+                for compressed_norm, bits in costs.blocks[a].compressed:
+                    if compressed_norm == norm:
+                        options[a].append(_option(costs.blocks[a : a + 1], Segment(1, "stored", norm, bits)))
             for b in range(a + 1, stop + 1):
                 blocks = costs.blocks[a:b]
                 for norm in _norms(blocks):
@@ -185,7 +200,7 @@ class _State:
     """A schedule of the chain's first blocks: bytes it stores, its cost, its peak so far."""
 
     stored: int
-    cost: tuple[int, int]  # (FLOPs, blocks recomputing BN-ReLU)
+    cost: tuple[int, int, int]  # (FLOPs, blocks recomputing BN-ReLU, compressed blocks' narrowing)
     peak: int
     previous: _State | None
     option: _Option | None
@@ -214,7 +229,7 @@ def _search(costs: ChainCosts, budget: int | None, minimize_peak: bool) -> _Stat
     options, stack_of = _options(costs), _stack_of(costs)
     count = len(costs.blocks)
     states: list[list[_State]] = [[] for _ in range(count + 1)]
-    states[0] = [_State(0, (0, 0), 0, None, None)]
+    states[0] = [_State(0, (0, 0, 0), 0, None, None)]
     for position in range(count + 1):
         if minimize_peak:
             states[position] = _pareto(states[position], lambda s: (s.stored, s.peak, s.cost), lambda s: s.peak)
@@ -228,7 +243,11 @@ def _search(costs: ChainCosts, budget: int | None, minimize_peak: bool) -> _Stat
                 moment = outside + state.stored + option.work
                 if budget is not None and moment > budget:
                     continue
-                cost = (state.cost[0] + option.flops, state.cost[1] + option.norm_blocks)
+                cost = (
+                    state.cost[0] + option.flops,
+                    state.cost[1] + option.norm_blocks,
+                    state.cost[2] + option.narrowing,
+                )
                 states[position + option.segment.blocks].append(
                     _State(state.stored + option.stored, cost, max(state.peak, moment), state, option)
                 )
@@ -287,6 +306,6 @@ def _split_stored(segments: Sequence[Segment]) -> Iterator[Segment]:
     """Stored segments one block at a time (the unit the model prices), others as they are."""
     for segment in segments:
         if segment.backprop == "stored":
-            yield from (Segment(1, "stored", segment.recompute_norm) for _ in range(segment.blocks))
+            yield from (Segment(1, "stored", segment.recompute_norm, segment.bits) for _ in range(segment.blocks))
         else:
             yield segment

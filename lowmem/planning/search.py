@@ -11,11 +11,17 @@ Searched knobs (one fixed on the command line is searched over its value only):
   (WRN's 100: 50, 25, 20, 10, 5, 4, 2, with the report's 10 and 4) that the recipe can cut the
   first minibatch into (token microbatches must hold the longest sentence pair);
 - checkpointing: none, no_bn, residual every 1 and 2, residual_star every 1 to 4 (those the model's
-  blocks support), and ``optimal`` with the activation budget the other knobs leave.
+  blocks support), and ``optimal`` with the activation budget the other knobs leave;
+- ``checkpointing.compress``, when the command line allows compressed saved activations down to a
+  width (``checkpointing.compress=4``: 8 or 4 bits): none, then each allowed width, widest first,
+  with ``optimal`` only (its schedule compresses the stored blocks it chooses, at that width or
+  wider; every trainer of the search then carries compression hooks without a width of their own,
+  which change no figure until a schedule sets one). Without it nothing is compressed, as before.
 
 Preference, in this order: the highest density (accuracy: the report's Tables 3 and 4 lose accuracy
 as density falls), then the widest optimizer state (the precision's own width, then 8, then 4 bits:
-quantization error), then the largest microbatch (speed: fewer, larger kernels), then the fewest
+quantization error), then the widest saved activations (uncompressed, then 8, 4, 2 bits), then the
+largest microbatch (speed: fewer, larger kernels), then the fewest
 FLOPs (recomputation), then fp32 before fp16 (no loss-scale skips), then the smallest total.
 
 Every figure is the report's accounting as ``lowmem.profile`` prints it for the first minibatch,
@@ -51,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -65,6 +72,7 @@ from lowmem.planning.optimal import AccountedSchedule, CheckpointPlacement, Mini
 from lowmem.planning.reported import reported_metric
 from lowmem.profiler import MB, StateBytes, account_state, step_temporaries
 from lowmem.techniques.checkpointing import apply_checkpointing
+from lowmem.techniques.compression import allowed_widths, apply_compression, compression_of, validate_compress
 from lowmem.trainer import Trainer, build_trainer
 
 DENSITIES = (1.0, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05)  # the report's Table 3 / 4 and figure values
@@ -76,7 +84,7 @@ FIXED_STRATEGIES = (
 # Command-line knobs the planner chooses; fixing one restricts the search to its value.
 SEARCHED = (
     "sparsity.density", "precision", "optim.state_bits", "microbatch.size", "checkpointing.strategy",
-    "checkpointing.every",
+    "checkpointing.every", "checkpointing.compress",
 )  # fmt: skip
 
 
@@ -97,6 +105,7 @@ class Candidate:
     schedule: str = ""  # optimal: the schedule chosen (lowmem.planning.schedule.describe)
     state_bits: int | None = None  # optim.state_bits: 8 or 4; None: the precision's own width
     temporary_bytes: int = 0  # a real step's temporaries beyond the accounting (step_temporaries)
+    compress: int | None = None  # checkpointing.compress (optimal only): the narrowest width allowed
 
     @property
     def total_bytes(self) -> int:
@@ -114,6 +123,8 @@ class Candidate:
 
     @property
     def checkpointing(self) -> str:
+        if self.compress is not None:
+            return f"{self.strategy} {self.compress}-bit"
         return f"{self.strategy}/{self.every}" if self.strategy in ("residual", "residual_star") else self.strategy
 
     def knobs(self) -> dict[str, str]:
@@ -127,6 +138,8 @@ class Candidate:
             knobs["checkpointing.every"] = f"{self.every}"
         if self.budget_bytes is not None:
             knobs["checkpointing.budget_mb"] = repr(self.budget_bytes / MB)  # round(x * MB) gives the bytes back
+        if self.compress is not None:
+            knobs["checkpointing.compress"] = f"{self.compress}"
         return knobs
 
 
@@ -164,7 +177,8 @@ class Planner:
                 "set the budget with plan.budget_mb"
             )
         self.budget = budget_bytes
-        self.fixed = {knob_of(o) for o in given if knob_of(o) in SEARCHED}
+        # checkpointing.compress on the command line is the narrowest width allowed, searched down to.
+        self.fixed = {knob_of(o) for o in given if knob_of(o) in SEARCHED} - {"checkpointing.compress"}
         self.base = [o for o in given if knob_of(o) not in SEARCHED]
         self.cfg = compose_config(*given)
         cfg = self.cfg
@@ -183,11 +197,12 @@ class Planner:
         if "checkpointing.every" in self.fixed:
             strategies = [(s, cfg.checkpointing.every if e is not None else None) for s, e in strategies]
         self.strategies = tuple(dict.fromkeys(strategies))
+        self.compressions = self._compressions()
         self._states: dict[tuple[float, str, int | None], StateBytes] = {}
         self._temporaries: dict[tuple[float, str, int | None], int] = {}
         self._trainers: dict[tuple[str, int | None], Trainer | None] = {}
         self._valid: dict[str, tuple[int | None, ...]] = {}
-        self._placements: dict[tuple[str, int | None], CheckpointPlacement] = {}
+        self._placements: dict[tuple[str, int | None, int | None], CheckpointPlacement] = {}
         self._accountings: dict[tuple[str, int | None], MinibatchAccounting] = {}
         self._refused: set[tuple[str, int | None, str, int | None]] = set()  # schedules the blocks cannot run
 
@@ -209,6 +224,19 @@ class Planner:
             )
         return ()  # the width of another searched precision: not this one's
 
+    def _compressions(self) -> tuple[int | None, ...]:
+        """The checkpointing.compress values searched, widest first (None: uncompressed): none, then
+        every width down to the command line's (none given: none only)."""
+        narrowest = validate_compress(self.cfg.checkpointing.compress)
+        if narrowest is None:
+            return (None,)
+        if not self._optimal_allowed:
+            raise ConfigError(
+                f"checkpointing.compress={narrowest} is planned with checkpointing.strategy=optimal only (whose "
+                "schedule compresses the blocks it chooses); leave checkpointing.strategy unset, or set it to optimal"
+            )
+        return (None, *allowed_widths(narrowest))
+
     # --- the search ----------------------------------------------------------------------------
     def search(self, top: int, first: Callable[[Candidate], None] | None = None) -> list[Candidate]:
         """Up to ``top`` configurations that fit, best first (the preference order). ``first`` is
@@ -216,35 +244,35 @@ class Planner:
         search goes on."""
         found: list[Candidate] = []
         with _quiet_builds():
-            for density in self.densities:
-                for level in sorted({_quantization(b) for bits in self.state_bits.values() for b in bits}):
-                    pairs = [
-                        (precision, bits)
-                        for precision in self.precisions
-                        for bits in self.state_bits[precision]
-                        if _quantization(bits) == level
-                    ]
-                    # Per precision and state bits, the microbatch sizes worth accounting at this density.
-                    sizes = {pair: self._sizes_that_may_fit(density, *pair) for pair in pairs}
-                    tasks = [
-                        (density, *pair, microbatch)
-                        for microbatch in self.microbatches
-                        for pair in pairs
-                        if microbatch in sizes[pair]
-                    ]
-                    with self._ahead_of(tasks, top) as next_task:
-                        for microbatch in self.microbatches:
-                            group = []
-                            for task in tasks:
-                                if task[-1] == microbatch:
-                                    next_task(task, len(found) + len(group))
-                                    group.extend(self._fitting(*task))
-                            group.sort(key=lambda c: (c.flops, self.precisions.index(c.precision), c.total_bytes))
-                            if group and not found and first is not None:
-                                first(group[0])
-                            found.extend(group)
-                            if len(found) >= top:
-                                return found[:top]
+            levels = sorted({_quantization(b) for bits in self.state_bits.values() for b in bits})
+            for density, level, compress in itertools.product(self.densities, levels, self.compressions):
+                pairs = [
+                    (precision, bits)
+                    for precision in self.precisions
+                    for bits in self.state_bits[precision]
+                    if _quantization(bits) == level
+                ]
+                # Per precision and state bits, the microbatch sizes worth accounting at this density.
+                sizes = {pair: self._sizes_that_may_fit(density, *pair) for pair in pairs}
+                tasks = [
+                    (density, *pair, microbatch, compress)
+                    for microbatch in self.microbatches
+                    for pair in pairs
+                    if microbatch in sizes[pair]
+                ]
+                with self._ahead_of(tasks, top) as next_task:
+                    for microbatch in self.microbatches:
+                        group = []
+                        for task in tasks:
+                            if task[3] == microbatch:
+                                next_task(task, len(found) + len(group))
+                                group.extend(self._fitting(*task))
+                        group.sort(key=lambda c: (c.flops, self.precisions.index(c.precision), c.total_bytes))
+                        if group and not found and first is not None:
+                            first(group[0])
+                        found.extend(group)
+                        if len(found) >= top:
+                            return found[:top]
         return found
 
     @contextlib.contextmanager
@@ -263,10 +291,10 @@ class Planner:
 
         def compute(task: tuple) -> dict:
             self._fitting(*task)
-            return self.export(task[1], task[3])
+            return self.export(task[1], task[3], task[4])
 
         def merge(task: tuple, data: dict) -> None:
-            self.merge(task[1], task[3], data)
+            self.merge(task[1], task[3], data, task[4])
             merged.add(task)
 
         with ahead.Ahead(compute, merge) as helper:
@@ -288,22 +316,22 @@ class Planner:
 
             yield next_task
 
-    def export(self, precision: str, microbatch: int | None) -> dict:
-        """What this planner measured and accounted for (precision, microbatch): plain data."""
+    def export(self, precision: str, microbatch: int | None, compress: int | None = None) -> dict:
+        """What this planner measured and accounted for (precision, microbatch, compress): plain data."""
         key = (precision, microbatch)
-        placement, accounting = self._placements.get(key), self._accountings.get(key)
+        placement, accounting = self._placements.get((*key, compress)), self._accountings.get(key)
         return {
             "placement": None if placement is None else placement.found(),
             "figures": None if accounting is None else accounting.found(),
             "refused": {refused for refused in self._refused if refused[:2] == key},
         }
 
-    def merge(self, precision: str, microbatch: int | None, data: dict) -> None:
-        """Take another process's ``export`` for (precision, microbatch) into the caches."""
+    def merge(self, precision: str, microbatch: int | None, data: dict, compress: int | None = None) -> None:
+        """Take another process's ``export`` for (precision, microbatch, compress) into the caches."""
         if self._trainer_for(precision, microbatch) is None:
             return
         if data["placement"] is not None:
-            self._placement(precision, microbatch).merge(data["placement"])
+            self._placement(precision, microbatch, compress).merge(data["placement"])
         if data["figures"] is not None:
             self._accounting(precision, microbatch).merge(data["figures"])
         self._refused |= data["refused"]
@@ -333,14 +361,19 @@ class Planner:
                 self._fixed(density, precision, bits, microbatch, s, e, state, temporary=temporary)
                 for s, e in self.strategies
             ]
-        schedule = self._placement(precision, microbatch).smallest()
-        return [
-            self._optimal(density, precision, bits, microbatch, state, schedule, schedule.activation_bytes, temporary)
-        ]
+        found = []
+        for compress in self.compressions:
+            least = self._placement(precision, microbatch, compress).smallest()
+            room = least.activation_bytes
+            found.append(self._optimal(density, precision, bits, microbatch, state, least, room, temporary, compress))
+        return found
 
     def overrides(self, candidate: Candidate) -> list[str]:
         """The overrides to add to the command line planned with (knobs it fixed are left out)."""
-        return [f"{knob}={value}" for knob, value in candidate.knobs().items() if knob not in self.fixed]
+        overrides = [f"{knob}={value}" for knob, value in candidate.knobs().items() if knob not in self.fixed]
+        if candidate.compress is None and len(self.compressions) > 1:  # the command line allowed compression
+            overrides.append("checkpointing.compress=none")
+        return overrides
 
     def compose(self, candidate: Candidate) -> DictConfig:
         """The configuration ``lowmem.train <command line> <overrides>`` runs for ``candidate``."""
@@ -350,7 +383,7 @@ class Planner:
         """Drop the search's trainers and accountings (models, fake-pass caches), keeping only the
         placements ``keep``'s optimal schedules are built from: what the search leaves alive is not
         the chosen run's, and is freed before that run is built and measured."""
-        needed = {(c.precision, c.microbatch) for c in keep if c.strategy == "optimal"}
+        needed = {(c.precision, c.microbatch, c.compress) for c in keep if c.strategy == "optimal"}
         self._placements = {key: placement for key, placement in self._placements.items() if key in needed}
         self._trainers.clear()
         self._accountings.clear()
@@ -362,7 +395,7 @@ class Planner:
         measuring again (the caller accounts the trainer, and builds again without ``reuse`` when the
         figures differ from the candidate's)."""
         cfg = self.compose(candidate)
-        key = (candidate.precision, candidate.microbatch)
+        key = (candidate.precision, candidate.microbatch, candidate.compress)
         if not reuse or candidate.strategy != "optimal" or key not in self._placements:
             return self.build(cfg)
         with reusing_placement(self._placements[key]):
@@ -373,7 +406,7 @@ class Planner:
         cfg = self.cfg
         if OmegaConf.is_missing(cfg, "recipe"):  # a loop of the user's own (lowmem.api.plan)
             return None
-        if candidate.state_bits is not None:  # the report trained with the precision's own state only
+        if candidate.state_bits is not None or candidate.compress is not None:  # the report's own widths only
             return None
         return reported_metric(
             cfg.recipe, cfg.model, cfg.data.batch_size, candidate.density, candidate.microbatch, candidate.precision
@@ -391,8 +424,11 @@ class Planner:
         temporary = self.temporary_bytes(density, precision, microbatch)
         return self.budget - state.model_bytes - state.optimizer_bytes - temporary
 
-    def _fitting(self, density: float, precision: str, bits: int | None, microbatch: int | None) -> list[Candidate]:
-        """The configurations at (density, precision, bits, microbatch) whose total fits the budget."""
+    def _fitting(
+        self, density: float, precision: str, bits: int | None, microbatch: int | None, compress: int | None = None
+    ) -> list[Candidate]:
+        """The configurations at (density, precision, bits, microbatch, compress) whose total fits the
+        budget: with ``compress``, optimal schedules that compress (at that width or wider) only."""
         state = self.state_bytes(density, precision, bits)
         if self._trainer_for(precision, microbatch) is None:
             return []
@@ -401,8 +437,13 @@ class Planner:
         if room <= 0:
             return []
         # No schedule goes below optimal's smallest.
-        if self._optimal_allowed and not self._placement(precision, microbatch).reaches(room):
+        if self._optimal_allowed and not self._placement(precision, microbatch, compress).reaches(room):
             return []
+        if compress is not None:
+            accounted = self._placement(precision, microbatch, compress).cheapest(room)
+            if "bit" not in str(accounted.plan):  # compresses nothing: listed without compression
+                return []
+            return [self._optimal(density, precision, bits, microbatch, state, accounted, room, temporary, compress)]
         fitting = []
         for strategy, every in self.strategies:
             if strategy != "optimal":
@@ -419,12 +460,12 @@ class Planner:
     @staticmethod
     def _optimal(
         density: float, precision: str, bits: int | None, microbatch: int | None, state: StateBytes,
-        accounted: AccountedSchedule, budget: int, temporary: int,
+        accounted: AccountedSchedule, budget: int, temporary: int, compress: int | None = None,
     ) -> Candidate:  # fmt: skip
         """Optimal checkpointing within ``budget`` activation bytes, as ``accounted`` (its schedule)."""
         return Candidate(
             density, precision, microbatch, "optimal", None, budget, state.model_bytes, state.optimizer_bytes,
-            accounted.activation_bytes, accounted.flops, str(accounted.plan), bits, temporary,
+            accounted.activation_bytes, accounted.flops, str(accounted.plan), bits, temporary, compress,
         )  # fmt: skip
 
     def _fixed(
@@ -564,13 +605,17 @@ class Planner:
                     if microbatch is None:  # the command line's own configuration fails: the user's error
                         raise
                     trainer = None  # only the microbatch size differs: token microbatches too small for a pair
+            if trainer is not None and any(self.compressions) and compression_of(trainer.unwrapped_model) is None:
+                # Hooks without a width of their own: no figure changes until a schedule sets one.
+                apply_compression(trainer.unwrapped_model, None, seed=self.cfg.trainer.seed)
             self._trainers[key] = trainer
         return self._trainers[key]
 
-    def _placement(self, precision: str, microbatch: int | None) -> CheckpointPlacement:
-        key = (precision, microbatch)
+    def _placement(self, precision: str, microbatch: int | None, compress: int | None = None) -> CheckpointPlacement:
+        key = (precision, microbatch, compress)
         if key not in self._placements:
-            self._placements[key] = CheckpointPlacement(self._trainer_for(precision, microbatch))
+            trainer = self._trainer_for(precision, microbatch)
+            self._placements[key] = CheckpointPlacement(trainer, allowed_widths(compress))
         return self._placements[key]
 
     def _accounting(self, precision: str, microbatch: int | None) -> MinibatchAccounting:

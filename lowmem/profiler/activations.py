@@ -68,6 +68,10 @@ _ONE_BIT_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
 _HOOKED = "lowmem_activation_hooks"
 _FROM_STATE = "lowmem_from_model_state"
 CATEGORIES = ("saved", "recomputed", "gradient")
+# Attribute a saved-tensor hook sets on what it hands on in a saved tensor's place, naming its form:
+# "compressed" (codes, ranges, sign masks: counted as saved, at their size, and tallied apart) or
+# "offloaded" (a host copy: not activation memory on the device; tallied as host bytes).
+SAVED_FORM = "_lowmem_saved_form"
 # The device query C++ code sends through the dispatch modes for every fake tensor it checks (most
 # of a fake pass's calls, chiefly the autograd engine's): answered at once, as the fake mode would.
 _DEVICE_QUERY = torch.ops.prim.device.default
@@ -90,6 +94,8 @@ class ActivationTrace:
     # temporary of a step, outside the report's accounting (backward's outputs are activation and
     # weight gradients, which it counts).
     largest_op_bytes: int = 0
+    compressed_bytes: int = 0  # of max_saved_bytes, stored compressed (SAVED_FORM), at that moment
+    offloaded_bytes: int = 0  # saved tensors held in host memory instead, at most at once
 
 
 def op_tensors(tree: Any) -> list[torch.Tensor]:
@@ -143,10 +149,10 @@ class _Entry:
     """One counted key: its bytes, how many holders keep it, its category and, for a gradient,
     how many nodes it is still waiting for and how many running nodes are reading it."""
 
-    __slots__ = ("nbytes", "holders", "category", "waiting", "readers", "start", "end")
+    __slots__ = ("nbytes", "holders", "category", "waiting", "readers", "start", "end", "form")
 
-    def __init__(self, nbytes: int, category: str, start: int = 0) -> None:
-        self.nbytes, self.holders, self.category = nbytes, 1, category
+    def __init__(self, nbytes: int, category: str, start: int = 0, form: str | None = None) -> None:
+        self.nbytes, self.holders, self.category, self.form = nbytes, 1, category, form
         self.start, self.end = start, start + nbytes  # the byte range of the storage seen in views
         self.waiting = self.readers = 0
 
@@ -177,6 +183,7 @@ class _Ledger:
         self.at_peak = dict(self.needed)
         self.peak_phase = self.peak_location = ""
         self.stored_before_backward: int | None = None
+        self.compressed = self.compressed_at_stored_peak = 0  # live; when saved + recomputed peaked
         self._location = location
 
     def _note_backward_start(self) -> None:
@@ -190,14 +197,17 @@ class _Ledger:
         if entry.needed != before:
             self.needed[entry.category] += entry.nbytes if entry.needed else -entry.nbytes
 
-    def acquire(self, key: int, nbytes: int, category: str, start: int = 0) -> None:
+    def acquire(self, key: int, nbytes: int, category: str, start: int = 0, form: str | None = None) -> None:
         """Count ``nbytes`` from byte ``start`` of storage ``key`` (views of one storage, e.g. the
-        query, key and value chunks of one projection, count the range they cover together)."""
+        query, key and value chunks of one projection, count the range they cover together);
+        ``form``: "compressed" for a compressed saved tensor's parts (``SAVED_FORM``)."""
         self._note_backward_start()
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = _Entry(nbytes, category, start)
+            entry = self.entries[key] = _Entry(nbytes, category, start, form)
             self.held[category] += nbytes
+            if form == "compressed":
+                self.compressed += nbytes
             if entry.needed:
                 self.needed[category] += nbytes
         else:
@@ -210,7 +220,9 @@ class _Ledger:
             if entry.needed:
                 self.needed[entry.category] += high - low - entry.nbytes
             entry.nbytes, entry.start, entry.end = high - low, low, high
-        self.peak_stored = max(self.peak_stored, self.held["saved"] + self.held["recomputed"])
+        if self.held["saved"] + self.held["recomputed"] > self.peak_stored:
+            self.peak_stored = self.held["saved"] + self.held["recomputed"]
+            self.compressed_at_stored_peak = self.compressed
         self.peak_held = max(self.peak_held, sum(self.held.values()))
         if category != "gradient":  # gradients are evaluated when the node reading them starts
             self.evaluate()
@@ -222,6 +234,8 @@ class _Ledger:
         if entry.holders == 0:
             del self.entries[key]
             self.held[entry.category] -= entry.nbytes
+            if entry.form == "compressed":
+                self.compressed -= entry.nbytes
             if entry.needed:
                 self.needed[entry.category] -= entry.nbytes
 
@@ -276,6 +290,7 @@ class ActivationTracer(TorchDispatchMode):
         self.saved_tensors = 0
         self.flops = 0
         self.largest_op_bytes = 0
+        self.host_live = self.host_peak = 0  # bytes of saved tensors offloaded to host memory
         self._mask_keys = itertools.count(-1, -1)  # negative: never a storage key
         self._last_op = ""
         self._hooks = contextlib.ExitStack()
@@ -287,6 +302,13 @@ class ActivationTracer(TorchDispatchMode):
             return tensor.detach()  # model memory; detached like every packed tensor (no cycle)
         self.saved_tensors += 1
         handle = _Handle(tensor.detach())
+        form = getattr(tensor, SAVED_FORM, None)
+        if form == "offloaded":  # in host memory until backward fetches it: not on the device
+            nbytes = tensor.untyped_storage().nbytes()
+            self.host_live += nbytes
+            self.host_peak = max(self.host_peak, self.host_live)
+            weakref.finalize(handle, self._host_released, nbytes)
+            return handle
         if self._saved_by_relu_itself(tensor):
             key, nbytes = next(self._mask_keys), math.ceil(tensor.numel() / 8)
             start = 0
@@ -298,8 +320,11 @@ class ActivationTracer(TorchDispatchMode):
         # Saved while a custom Function's backward runs: a checkpoint's recomputed graph.
         recomputing = isinstance(torch._C._current_autograd_node(), BackwardCFunction)
         weakref.finalize(handle, self.ledger.release, key)
-        self.ledger.acquire(key, nbytes, "recomputed" if recomputing else "saved", start)
+        self.ledger.acquire(key, nbytes, "recomputed" if recomputing else "saved", start, form)
         return handle
+
+    def _host_released(self, nbytes: int) -> None:
+        self.host_live -= nbytes
 
     @staticmethod
     def _unpack(packed: torch.Tensor | _Handle) -> torch.Tensor:
@@ -466,6 +491,8 @@ class ActivationTracer(TorchDispatchMode):
             saved_tensors=self.saved_tensors,
             flops=self.flops,
             largest_op_bytes=self.largest_op_bytes,
+            compressed_bytes=ledger.compressed_at_stored_peak,
+            offloaded_bytes=self.host_peak,
         )
 
 

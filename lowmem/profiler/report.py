@@ -100,6 +100,9 @@ class MemoryReport:
     step_temporary_bytes: int = 0  # held by a real step beyond the accounting (positions, dense temporaries, ...)
     step_temporaries: dict[str, int] = field(default_factory=dict)  # step_temporary_bytes by cause
     budget_total_bytes: int = 0  # total_with_graph_pool_bytes + step_temporary_bytes: compared with budgets
+    compressed_bytes: int = 0  # of activation_saved_bytes, stored compressed (checkpointing.compress)
+    offloaded_bytes: int = 0  # accounted: saved activations in host memory at most at once (checkpointing.offload)
+    host_bytes: int = 0  # host memory held for offloaded activations (pinned pool after a real step, else accounted)
     seconds: dict[str, float] = field(default_factory=dict)  # time spent per measurement
 
     def to_json(self) -> dict:
@@ -122,6 +125,17 @@ class MemoryReport:
             f"    (saved for backward at most: {mb(self.activation_saved_bytes).strip()}; stored when backward "
             f"starts: {mb(self.activation_stored_before_backward).strip()}; held by this run's autograd at most: "
             f"{mb(self.activation_held_bytes).strip()})",
+            *(
+                [f"    (stored compressed: {mb(self.compressed_bytes).strip()} of the saved bytes)"]
+                if self.compressed_bytes
+                else []
+            ),
+            *(
+                [f"    (offloaded to host memory: {mb(self.offloaded_bytes).strip()}; host memory held "
+                 f"{mb(self.host_bytes).strip()})"]
+                if self.offloaded_bytes or self.host_bytes
+                else []
+            ),
             f"  total        {mb(self.total_bytes)}",
             f"  + step temporaries {mb(self.step_temporary_bytes).strip()} ("
             + ", ".join(f"{name} {value / MB:.3f}" for name, value in self.step_temporaries.items())
@@ -153,6 +167,7 @@ def profile_step(
     owners: Sequence[object] | None = None,
     fake: bool = True,
     arithmetic: contextlib.AbstractContextManager | None = None,
+    host_bytes: Callable[[], int] | None = None,
 ) -> MemoryReport:
     """Account, count and (if ``train_step`` is given) measure one training step of ``model``.
 
@@ -169,6 +184,8 @@ def profile_step(
         tensor alive in the process.
     arithmetic: the context the real step computes in (``measure_peak``), e.g. the trainer's
         ``arithmetic()``.
+    host_bytes: the host memory held for offloaded activations after the real step (a pinned
+        pool's bytes); without it, or without a real step, the accounted offloaded bytes.
     """
     if callable(microbatches):
         microbatches = [Microbatch(microbatches)]
@@ -195,6 +212,8 @@ def profile_step(
         started = time.perf_counter()
         peak = measure_peak(train_step, model, optimizer, data=data, owners=owners, arithmetic=arithmetic)
         seconds["measured_step"] = time.perf_counter() - started
+    offloaded = max(trace.offloaded_bytes for trace, _ in traces)
+    held_on_host = host_bytes() if host_bytes is not None and peak is not None else 0
     params = dict(model.named_parameters())
     nonzero = sum(sparse[n][1] if n in sparse else p.numel() for n, p in params.items())
     dense_count = sum(math.prod(sparse[n][0]) if n in sparse else p.numel() for n, p in params.items())
@@ -220,6 +239,9 @@ def profile_step(
         activation_stored_before_backward=activations.stored_before_backward,
         activation_held_bytes=max(trace.held_bytes for trace, _ in traces),
         activation_saved_bytes=max(trace.max_saved_bytes for trace, _ in traces),
+        compressed_bytes=max(trace.compressed_bytes for trace, _ in traces),
+        offloaded_bytes=offloaded,
+        host_bytes=max(held_on_host, offloaded),
         peak_source="" if peak is None else peak.source,
         seconds={k: round(v, 2) for k, v in seconds.items()},
     )

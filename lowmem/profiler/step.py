@@ -30,6 +30,12 @@ ROW_FIELDS = {
     "activation_at_peak": "`activation_bytes` by kind (saved, recomputed, gradient) at the activation peak.",
     "activation_location": "Where the activation peak happens (the module and the pass).",
     "activation_saved_bytes": "The most saved-for-backward bytes alive at once (no gradients).",
+    "compressed_bytes": "Of `activation_saved_bytes`, the bytes stored compressed (`checkpointing.compress`), at "
+    "their stored size (0: nothing compressed).",
+    "offloaded_bytes": "Saved activations held in host memory instead of on the device, at most at once "
+    "(`checkpointing.offload`; 0: nothing offloaded).",
+    "host_bytes": "Host memory held for offloaded activations: the pinned pool after a real step, else the accounted "
+    "figure (0: nothing offloaded).",
     "activation_stored_before_backward": "Saved-for-backward bytes when backward starts (the checkpoints, if any).",
     "activation_held_bytes": "The same tensors' peak as this run's autograd really held them (every gradient until "
     "its storage dies).",
@@ -90,7 +96,14 @@ def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> Me
         data=data_tensors(trainer, batch),
         owners=(trainer, batch),  # the run's tensors, not those of whoever profiles it
         arithmetic=trainer.arithmetic() if measure else None,
+        host_bytes=_offload_pool_bytes(trainer),
     )
+
+
+def _offload_pool_bytes(trainer: Any) -> Any:
+    """The pinned host memory a trainer's offloaded activations hold, read after a step (None: no offload)."""
+    offload = getattr(trainer, "offload", None)
+    return None if offload is None else (lambda: offload.host_bytes)
 
 
 def distinct_microbatches(trainer: Any, batch: Any) -> list[tuple[Any, float, int]]:

@@ -33,14 +33,19 @@ class Segment:
         inputs, then one block's graph at a time (as ``residual_star``).
     recompute_norm: the blocks' BN-ReLU outputs are recomputed in backward, never kept (as
         ``no_bn``); needs blocks that route their triples through ``lowmem.residual.norm_relu_conv``.
+    bits: a stored segment's saved activations are stored compressed at this width (8, 4, 2;
+        ``lowmem.techniques.compression``, whose hooks must be installed on the model); None: as
+        the hooks' own width says (none installed: as they are).
     """
 
     blocks: int
     backprop: str = "stored"
     recompute_norm: bool = False
+    bits: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.backprop}{'/no_bn' if self.recompute_norm else ''}:{self.blocks}"
+        compressed = f"/{self.bits}bit" if self.bits is not None else ""
+        return f"{self.backprop}{'/no_bn' if self.recompute_norm else ''}{compressed}:{self.blocks}"
 
 
 # --- state replayed or isolated during recomputation -------------------------------------------

@@ -1,0 +1,447 @@
+"""Compressed saved activations (``checkpointing.compress=8|4|2``): what autograd keeps for backward,
+stored blockwise quantized, through ``torch.autograd.graph.saved_tensors_hooks``, on any model.
+
+``apply_compression(model, bits)`` makes every forward of ``model`` store each floating-point tensor
+autograd saves for backward as ``bits``-bit codes with one range per group of ``GROUP`` elements,
+and read it back (dequantized, in its own dtype) when backward needs it:
+
+- groups (ActNN's and GACT's choice: per-group ranges): ``GROUP`` consecutive elements in memory
+  order, each with its own minimum and step (FP32). For an NCHW activation whose H x W is at least
+  ``GROUP`` a group lies inside one channel of one sample: ActNN's per-sample ranges, refined per
+  channel, which is where activation ranges differ most (a BatchNorm output's channels share a scale,
+  a ReLU's do not; samples differ in contrast). Memory order keeps it one reshape, whatever the
+  layout; two FP32 numbers per 256 elements cost 0.25 bits per element;
+- stochastic rounding: ``code = floor((x - min) / step + u)``, ``u`` uniform in (0, 1), so the stored
+  value is unbiased (to within 1/512 of a step: ``u`` takes 256 values). The random bits are
+  counter-based, as the quantized optimizer state's (``lowmem.kernels.reference``): element i of
+  the k-th tensor saved in a forward draws the i-th byte of MurmurHash3's finaliser over
+  (i / 4, the tensor's key), the key derived from the trainer's seed, its step count, the
+  microbatch and k (``ActivationCompression.start_microbatch``), so a resumed run draws the bits
+  the uninterrupted one did, on every device;
+- what is not compressed: parameters and tensors computed from them alone (a transposed or cast
+  weight), leaves (the minibatch), tensors of fewer than ``MIN_ELEMENTS`` elements (BatchNorm's
+  statistics), integer and bool tensors (indices, dropout masks), and a checkpointed segment's input
+  (recomputation starts from it exactly). A ReLU's own saved output is stored as a 1-bit sign mask
+  (its backward needs nothing else; exact), as lowmem's accounting has always counted it;
+- a tensor saved twice in one forward (a ReLU output saved by the ReLU and by the convolution after
+  it, a layer-norm output read by three projections) is quantized once.
+
+Other saved-tensor hooks active around the forward (lowmem's accounting and measured peak, a user's
+own) still see every saved tensor: the codes, ranges and masks are handed to them in its place, so
+the accounting counts compressed bytes at their stored size. Quantizing and dequantizing are custom
+ops (``lowmem::quantize_activation`` and three more) with fake implementations, so the accounting's
+fake pass knows their output sizes, and with FLOP formulas (``QUANTIZE_FLOPS`` and
+``DEQUANTIZE_FLOPS`` per element), so a profile's FLOPs include them: a FLOP-equivalent counts the
+arithmetic of one pass over the elements (range, subtract, scale, add noise, floor, clamp, pack: 8
+per element to quantize; unpack, multiply, add: 2 to read back). On a CPU they run in lowmem's C
+kernel (``lowmem/kernels/lowmem_kernels.c``) with the bits of the torch code here, which is their
+definition and the fallback (``LOWMEM_KERNELS=torch``, other devices); the torch code works chunk by
+chunk, so its scratch stays a few MB, like a kernel's.
+
+With ``checkpointing.strategy=optimal`` the hooks are installed without a default width and the
+planner's schedule compresses block by block (``compressed_saves``: a stored segment's width).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import register_flop_formula
+
+from lowmem import kernels
+from lowmem.kernels import cpu
+from lowmem.kernels.reference import _fmix32_tensor, fmix32, tensor_keys
+from lowmem.profiler.activations import SAVED_FORM
+
+WIDTHS = (8, 4, 2)  # checkpointing.compress, widest first
+GROUP = 256  # elements per quantization group (one FP32 minimum and step each)
+MIN_ELEMENTS = 4096  # saved tensors smaller than this are stored as they are
+CHUNK = 1 << 20  # elements quantized at a time: the scratch stays a few MB
+QUANTIZE_FLOPS = 8  # FLOP-equivalents per element quantized (see the module docstring)
+DEQUANTIZE_FLOPS = 2  # FLOP-equivalents per element read back
+SIGN_FLOPS = 1  # per element of a 1-bit ReLU mask, packed or read back
+_MASK32 = 0xFFFFFFFF
+_SALT = 0x2545F491  # activation keys differ from the optimizer's for the same seed and step
+_UNSET = object()
+# The width saved tensors are stored at where a schedule sets one (``compressed_saves``): None
+# keeps them as they are; unset: the hooks' own width.
+_WIDTH: ContextVar[Any] = ContextVar("lowmem_compressed_width", default=_UNSET)
+
+
+def validate_compress(value: Any) -> int | None:
+    """``checkpointing.compress``: None / "none" (nothing compressed) or 8, 4, 2 bits; the bits or None.
+    Raises ValueError naming the knob and the allowed values."""
+    if value is None or value == "none":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str) or str(value) not in {str(w) for w in WIDTHS}:
+        raise ValueError(
+            f"checkpointing.compress={value!r} is not allowed: one of none, {', '.join(map(str, WIDTHS))} "
+            "(bits per saved activation element)"
+        )
+    return int(value)
+
+
+def allowed_widths(narrowest: int | None) -> tuple[int, ...]:
+    """The widths a planner may choose when ``checkpointing.compress`` is ``narrowest``: that one
+    and every wider one (``WIDTHS``), widest first."""
+    return () if narrowest is None else tuple(w for w in WIDTHS if w >= narrowest)
+
+
+# --- the arithmetic: custom ops with fake implementations and FLOP formulas --------------------
+
+
+def code_bytes(elements: int, bits: int) -> int:
+    """Bytes of codes for ``elements`` values at ``bits`` bits, padded to whole groups."""
+    return math.ceil(elements / GROUP) * GROUP * bits // 8
+
+
+def _uniform(key: int, start: int, count: int, device: torch.device) -> torch.Tensor:
+    """``count`` (a multiple of 4) uniform numbers in (0, 1), FP32, for elements ``start ..``: byte
+    ``i % 4`` of the 32-bit hash of word ``i // 4`` (``lowmem.kernels.reference.random24``'s hash)."""
+    index = torch.arange(start // 4, (start + count) // 4, dtype=torch.int64, device=device)
+    words = _fmix32_tensor(((index * 0x27D4EB2F) & _MASK32) ^ key).to(torch.int32)
+    return words.view(torch.uint8).float().add_(0.5).mul_(1 / 256)
+
+
+def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes (each < 2**bits) packed ``8 // bits`` to a byte, the first in the low bits."""
+    if bits == 8:
+        return codes
+    columns = codes.view(-1, 8 // bits)
+    packed = columns[:, 0].clone()
+    for j in range(1, 8 // bits):
+        packed |= columns[:, j] << (j * bits)
+    return packed
+
+
+def _unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(1) >> shifts) & (2**bits - 1)).view(-1)
+
+
+def _c_kernel(tensor: torch.Tensor) -> bool:
+    """Whether lowmem's C kernel does this CPU tensor's arithmetic (the same bits as the torch code)."""
+    return tensor.device.type == "cpu" and tensor.dtype in cpu.DTYPE_CODES and kernels.backend(tensor.device) == "cpu"
+
+
+@torch.library.custom_op("lowmem::quantize_activation", mutates_args=())
+def quantize_activation(x: torch.Tensor, bits: int, key: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` (any float dtype and shape) as (codes uint8, per-group minimum FP32, per-group step FP32)."""
+    flat = x.reshape(-1)
+    count, levels = flat.numel(), 2**bits - 1
+    groups = math.ceil(count / GROUP)
+    codes = torch.empty(code_bytes(count, bits), dtype=torch.uint8, device=x.device)
+    lows = torch.empty(groups, dtype=torch.float32, device=x.device)
+    steps = torch.empty(groups, dtype=torch.float32, device=x.device)
+    if _c_kernel(x):
+        cpu.quantize_activation(flat.contiguous(), bits, key, codes, lows, steps)
+        return codes, lows, steps
+    for start in range(0, count, CHUNK):
+        part = flat[start : start + CHUNK].float()
+        pad = -part.numel() % GROUP
+        if pad:  # the last group padded with its last value: its range does not widen
+            part = torch.cat([part, part[-1:].expand(pad)])
+        rows = part.view(-1, GROUP)
+        low, high = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)
+        step = (high - low) / levels
+        scaled = (rows - low).mul_(torch.where(step > 0, step.reciprocal(), 0.0))
+        del part, rows
+        scaled.add_(_uniform(key, start, scaled.numel(), x.device).view_as(scaled)).floor_().clamp_(0, levels)
+        first, last = start // GROUP, start // GROUP + scaled.shape[0]
+        codes[first * GROUP * bits // 8 : last * GROUP * bits // 8] = _pack_codes(scaled.to(torch.uint8), bits).view(-1)
+        lows[first:last], steps[first:last] = low.view(-1), step.view(-1)
+    return codes, lows, steps
+
+
+@quantize_activation.register_fake
+def _(x, bits, key):
+    groups = math.ceil(x.numel() / GROUP)
+    return (
+        x.new_empty(code_bytes(x.numel(), bits), dtype=torch.uint8),
+        x.new_empty(groups, dtype=torch.float32),
+        x.new_empty(groups, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("lowmem::dequantize_activation", mutates_args=())
+def dequantize_activation(
+    codes: torch.Tensor, lows: torch.Tensor, steps: torch.Tensor, bits: int, shape: list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """The values ``quantize_activation`` stored, in ``dtype`` and ``shape``."""
+    count = math.prod(shape)
+    out = torch.empty(count, dtype=dtype, device=codes.device)
+    if _c_kernel(out):
+        cpu.dequantize_activation(codes, lows, steps, bits, out)
+        return out.view(shape)
+    for start in range(0, count, CHUNK):
+        stop = min(start + CHUNK, count)
+        first, last = start // GROUP, math.ceil(stop / GROUP)
+        values = _unpack_codes(codes[first * GROUP * bits // 8 : last * GROUP * bits // 8], bits).view(-1, GROUP)
+        # A multiply, then an add (no fused multiply-add): the C kernel's bits.
+        rows = values.float().mul_(steps[first:last, None]).add_(lows[first:last, None])
+        out[start:stop] = rows.view(-1)[: stop - start]
+    return out.view(shape)
+
+
+@dequantize_activation.register_fake
+def _(codes, lows, steps, bits, shape, dtype):
+    return codes.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("lowmem::pack_signs", mutates_args=())
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """``x > 0`` as bits, 8 to a byte (uint8, ceil(numel / 8) bytes)."""
+    positive = (x.reshape(-1) > 0).to(torch.uint8)
+    pad = -positive.numel() % 8
+    if pad:
+        positive = torch.cat([positive, positive.new_zeros(pad)])
+    return _pack_codes(positive, 1)
+
+
+@pack_signs.register_fake
+def _(x):
+    return x.new_empty(math.ceil(x.numel() / 8), dtype=torch.uint8)
+
+
+@torch.library.custom_op("lowmem::unpack_signs", mutates_args=())
+def unpack_signs(packed: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """1 where the packed sign bit is set, else 0, in ``dtype`` and ``shape`` (what a ReLU's backward
+    reads of its output: whether it is positive)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[: math.prod(shape)]
+    return bits.to(dtype).view(shape)
+
+
+@unpack_signs.register_fake
+def _(packed, shape, dtype):
+    return packed.new_empty(shape, dtype=dtype)
+
+
+@register_flop_formula(torch.ops.lowmem.quantize_activation)
+def _quantize_flops(x_shape, *args, **kwargs) -> int:
+    return QUANTIZE_FLOPS * math.prod(x_shape)
+
+
+@register_flop_formula(torch.ops.lowmem.dequantize_activation)
+def _dequantize_flops(codes_shape, lows_shape, steps_shape, bits, shape, *args, **kwargs) -> int:
+    return DEQUANTIZE_FLOPS * math.prod(shape)
+
+
+@register_flop_formula(torch.ops.lowmem.pack_signs)
+def _pack_signs_flops(x_shape, *args, **kwargs) -> int:
+    return SIGN_FLOPS * math.prod(x_shape)
+
+
+@register_flop_formula(torch.ops.lowmem.unpack_signs)
+def _unpack_signs_flops(packed_shape, shape, *args, **kwargs) -> int:
+    return SIGN_FLOPS * math.prod(shape)
+
+
+# --- the saved-tensor hooks ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def compressed_saves(bits: int | None) -> Iterator[None]:
+    """Inside, tensors saved for backward are stored at ``bits`` bits (None: as they are), whatever
+    the installed hooks' own width: a schedule's stored segment, or a checkpoint's input."""
+    token = _WIDTH.set(bits)
+    try:
+        yield
+    finally:
+        _WIDTH.reset(token)
+
+
+class _Packed:
+    """What autograd holds for one saved tensor: its stored form, each part handed to the saved-tensor
+    hooks that were active outside (``outer``: their pack results, read back with their unpack)."""
+
+    __slots__ = ("form", "parts", "meta", "nbytes", "unpack_outer", "__weakref__")
+
+    def __init__(self, form: str, parts: list[torch.Tensor], meta: tuple, outer: tuple | None) -> None:
+        self.form, self.meta = form, meta
+        self.nbytes = 0 if form == "plain" else sum(part.untyped_storage().nbytes() for part in parts)
+        if form != "plain":
+            for part in parts:  # how the accounting (lowmem.profiler.activations) tells them apart
+                setattr(part, SAVED_FORM, "compressed")
+        self.unpack_outer = None if outer is None else outer[1]
+        # Kept detached (as autograd's own hooks need): a saved output holding its own grad_fn through
+        # this object would be a reference cycle no collector sees, and leak every step.
+        self.parts = [part.detach() for part in parts] if outer is None else [outer[0](part) for part in parts]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.parts if self.unpack_outer is None else [self.unpack_outer(part) for part in self.parts]
+
+
+class ActivationCompression:
+    """Saved-tensor hooks installed around ``model``'s forward (``apply_compression``).
+
+    bits: the width every saved activation is stored at, or None: only where a schedule sets one
+        (``compressed_saves``). seed: the run's seed (``trainer.seed``), for the random bits.
+    ``compressed_bytes`` counts what the last forward stored compressed (codes, ranges, masks).
+    """
+
+    def __init__(self, model: nn.Module, bits: int | None, seed: int = 0) -> None:
+        self.bits, self.seed = bits, seed
+        self.key = fmix32(seed ^ _SALT)
+        self.compressed_bytes = 0
+        self._count = 0  # tensors quantized in this forward (each draws its own key)
+        self._outer: tuple | None = None
+        self._contexts: list[tuple[contextlib.AbstractContextManager, tuple | None]] = []
+        self._state_shapes = state_shapes(model)
+        self._handles = [
+            model.register_forward_pre_hook(self._forward_starts),
+            model.register_forward_hook(self._forward_ends, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def start_microbatch(self, step: int, microbatch: int) -> None:
+        """Draw the next forward's random bits for microbatch ``microbatch`` of step ``step``."""
+        self.key = fmix32(tensor_keys(self.seed ^ _SALT, step, 1)[0] ^ fmix32(microbatch & _MASK32))
+
+    # --- module hooks ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """The hooks on for the body (a block run alone, as the planner measures it)."""
+        self._push()
+        try:
+            yield
+        finally:
+            self._pop()
+
+    def _forward_starts(self, module: nn.Module, args: tuple) -> None:
+        self._count, self.compressed_bytes = 0, 0
+        self._state_shapes = state_shapes(module)
+        self._push()
+
+    def _forward_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._pop()
+
+    def _push(self) -> None:
+        # The hooks active outside (the accounting's, the measured peak's) receive what is stored.
+        context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._contexts.append((context, self._outer))
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        context.__enter__()
+
+    def _pop(self) -> None:
+        if self._contexts:
+            context, self._outer = self._contexts.pop()
+            context.__exit__(None, None, None)
+
+    # --- saved tensors --------------------------------------------------------------------------
+    def _pack(self, tensor: torch.Tensor) -> _Packed:
+        width = _WIDTH.get()
+        width = self.bits if width is _UNSET else width
+        form = "plain" if width is None else self._form(tensor)
+        shape = list(tensor.shape)
+        if form == "signs":
+            signs = torch.ops.lowmem.pack_signs(tensor.detach())
+            packed = _Packed("signs", [signs], (shape, tensor.dtype), self._outer)
+        elif form == "quantized":
+            cached = getattr(tensor, "_lowmem_quantized", None)
+            if cached is not None and cached[0] == (tensor._version, width) and cached[1]() is not None:
+                return cached[1]()
+            key = fmix32((self.key + self._count * 0x9E3779B9) & _MASK32)
+            self._count += 1
+            parts = list(torch.ops.lowmem.quantize_activation(tensor.detach(), width, key))
+            packed = _Packed("quantized", parts, (width, shape, tensor.dtype), self._outer)
+            tensor._lowmem_quantized = ((tensor._version, width), weakref.ref(packed))
+        else:
+            return _Packed("plain", [tensor], (), self._outer)
+        self.compressed_bytes += packed.nbytes
+        return packed
+
+    @staticmethod
+    def _unpack(packed: _Packed) -> torch.Tensor:
+        parts = packed.tensors()
+        if packed.form == "plain":
+            return parts[0]
+        if packed.form == "signs":
+            shape, dtype = packed.meta
+            return torch.ops.lowmem.unpack_signs(parts[0], shape, dtype)
+        bits, shape, dtype = packed.meta
+        return torch.ops.lowmem.dequantize_activation(*parts, bits, shape, dtype)
+
+    def _form(self, tensor: torch.Tensor) -> str:
+        """How ``tensor`` is stored: "signs" (a ReLU's own output), "quantized" or "plain"."""
+        if not tensor.is_floating_point() or tensor.grad_fn is None:
+            return "plain"  # indices, masks; leaves: parameters, the minibatch, buffers
+        if _saved_by_relu_itself(tensor):
+            return "signs"
+        if tensor.numel() < MIN_ELEMENTS or is_model_state(tensor, self._state_shapes):
+            return "plain"
+        return "quantized"
+
+
+def is_model_state(tensor: torch.Tensor, state_shapes: set[tuple[int, ...]]) -> bool:
+    """Whether a saved ``tensor`` is model state, not an activation: a leaf (a parameter, a buffer,
+    the minibatch) or a parameter transposed, cast or masked (shaped like a parameter, of one of
+    ``state_shapes``, and computed from parameters alone)."""
+    if tensor.grad_fn is None:
+        return True
+    return tuple(tensor.shape) in state_shapes and _from_model_state(tensor.grad_fn)
+
+
+def state_shapes(model: nn.Module) -> set[tuple[int, ...]]:
+    """The shapes of ``model``'s parameters, and of them transposed."""
+    shapes = set()
+    for p in model.parameters():
+        shapes.update((tuple(p.shape), tuple(reversed(p.shape))))
+    return shapes
+
+
+_RELU_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
+
+
+def _saved_by_relu_itself(tensor: torch.Tensor) -> bool:
+    """True for a ReLU node saving its own output (the first save of it: ReLU saves its result as
+    soon as it is computed), False for a later op saving that output."""
+    node = tensor.grad_fn
+    if node is None or type(node).__name__ not in _RELU_NODES:
+        return False
+    if getattr(tensor, "_lowmem_sign_node", None) == id(node):
+        return False
+    tensor._lowmem_sign_node = id(node)  # an id, not the node: no reference cycle
+    return True
+
+
+def _from_model_state(node: Any, depth: int = 3) -> bool:
+    """Whether the autograd ``node`` computes from parameters alone (within ``depth`` steps, inputs
+    without gradient aside): a transposed, cast or masked weight."""
+    if type(node).__name__ == "AccumulateGrad":
+        return True
+    if depth == 0:
+        return False
+    inputs = [n for n, _ in node.next_functions if n is not None]
+    return bool(inputs) and all(_from_model_state(n, depth - 1) for n in inputs)
+
+
+def apply_compression(model: nn.Module, bits: int | None, seed: int = 0) -> ActivationCompression:
+    """Store what ``model``'s forward saves for backward at ``bits`` bits (8, 4, 2; None: only where
+    a schedule's segment sets a width). Changes no module, parameter or state-dict key; returns
+    the hooks (``remove()`` takes them off)."""
+    if bits is not None and bits not in WIDTHS:
+        raise ValueError(f"checkpointing.compress={bits!r} is not allowed: one of none, {', '.join(map(str, WIDTHS))}")
+    previous = compression_of(model)
+    if previous is not None:
+        previous.remove()
+    hooks = ActivationCompression(model, bits, seed)
+    object.__setattr__(model, "_lowmem_compression", hooks)  # a plain attribute: no state-dict key
+    return hooks
+
+
+def compression_of(model: nn.Module) -> ActivationCompression | None:
+    """The compression hooks installed on ``model`` (``apply_compression``), or None."""
+    return model.__dict__.get("_lowmem_compression")
