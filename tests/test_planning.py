@@ -390,6 +390,7 @@ def test_the_floor_outside_the_stacks_is_below_every_schedule_and_saves_their_me
     assert measure_chain(trainer, outside_flops=False) == placement.costs
 
 
+@pytest.mark.skipif(not ahead.usable(), reason="no forked helper here (one CPU in this process's affinity)")
 def test_a_forked_helper_fills_caches_ahead_and_changes_no_answer():
     """lowmem.planning.ahead: a forked child accounts the next microbatch size while this process
     accounts the current one; the configurations found are those of a single process."""
