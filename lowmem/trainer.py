@@ -651,7 +651,7 @@ def start_run(cfg: DictConfig) -> tuple[torch.device, PrecisionPolicy]:
     torch.manual_seed(cfg.trainer.seed)
     if cfg.checkpointing.offload and device.type != "cuda":
         raise ConfigError(
-            f"checkpointing.offload=true needs a CUDA device (it copies saved activations to pinned host memory "
+            "checkpointing.offload=true needs a CUDA device (it copies saved activations to pinned host memory "
             f"on a side stream); this run is on {device.type}: use checkpointing.offload=false"
         )
     # A technique refusing the configuration raises ValueError naming the knob: a ConfigError here.

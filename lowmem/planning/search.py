@@ -63,6 +63,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import hydra
+import torch
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
@@ -70,7 +71,7 @@ from lowmem.config import QUANTIZED_STATE_BITS, ConfigError, compose, state_widt
 from lowmem.planning import ahead
 from lowmem.planning.optimal import AccountedSchedule, CheckpointPlacement, MinibatchAccounting, reusing_placement
 from lowmem.planning.reported import reported_metric
-from lowmem.profiler import MB, StateBytes, account_state, step_temporaries
+from lowmem.profiler import MB, StateBytes, account_state, profile_trainer, step_temporaries
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.compression import allowed_widths, apply_compression, compression_of, validate_compress
 from lowmem.trainer import Trainer, build_trainer
@@ -205,6 +206,7 @@ class Planner:
         self._placements: dict[tuple[str, int | None, int | None], CheckpointPlacement] = {}
         self._accountings: dict[tuple[str, int | None], MinibatchAccounting] = {}
         self._refused: set[tuple[str, int | None, str, int | None]] = set()  # schedules the blocks cannot run
+        self._largest_ops: dict[tuple[str, int | None], int] = {}
 
     def _state_bits_for(self, precision: str) -> tuple[int | None, ...]:
         """The optim.state_bits values searched with ``precision``, widest first (None: its width)."""
@@ -436,6 +438,10 @@ class Planner:
         temporary = self.temporary_bytes(density, precision, microbatch)
         if room <= 0:
             return []
+        if compress is not None:
+            # Its schedules fill the room to the byte: the largest op's temporary, which the built
+            # configuration's check adds, is kept free too (else every one of them is skipped there).
+            room -= self._largest_op(precision, microbatch)
         # No schedule goes below optimal's smallest.
         if self._optimal_allowed and not self._placement(precision, microbatch, compress).reaches(room):
             return []
@@ -610,6 +616,16 @@ class Planner:
                 apply_compression(trainer.unwrapped_model, None, seed=self.cfg.trainer.seed)
             self._trainers[key] = trainer
         return self._trainers[key]
+
+    def _largest_op(self, precision: str, microbatch: int | None) -> int:
+        """The largest forward op's new outputs at (precision, microbatch), bytes (``largest_op_bytes``:
+        the same under every schedule, as recomputation runs in backward)."""
+        key = (precision, microbatch)
+        if key not in self._largest_ops:
+            trainer = self._trainer_for(precision, microbatch)
+            with torch.random.fork_rng():
+                self._largest_ops[key] = profile_trainer(trainer, measure=False).step_temporaries["largest_op"]
+        return self._largest_ops[key]
 
     def _placement(self, precision: str, microbatch: int | None, compress: int | None = None) -> CheckpointPlacement:
         key = (precision, microbatch, compress)
