@@ -100,6 +100,7 @@ class MemoryReport:
     step_temporary_bytes: int = 0  # held by a real step beyond the accounting (positions, dense temporaries, ...)
     step_temporaries: dict[str, int] = field(default_factory=dict)  # step_temporary_bytes by cause
     budget_total_bytes: int = 0  # total_with_graph_pool_bytes + step_temporary_bytes: compared with budgets
+    gathered_bytes: int = 0  # sharded (fsdp): the weights gathered whole at once at most (0: not sharded)
     seconds: dict[str, float] = field(default_factory=dict)  # time spent per measurement
 
     def to_json(self) -> dict:
@@ -127,6 +128,11 @@ class MemoryReport:
             + ", ".join(f"{name} {value / MB:.3f}" for name, value in self.step_temporaries.items())
             + f" MB) = {mb(self.budget_total_bytes).strip()}, the figure budgets are compared with",
             *([self._replay_line()] if self.graph_pool_bytes else []),
+            *(
+                [f"  sharded: this rank's shards above; weights gathered at once at most {mb(self.gathered_bytes)}"]
+                if self.gathered_bytes
+                else []
+            ),
             f"measured peak ({self.peak_source or 'not measured'})",
             f"  peak         {mb(self.peak_bytes)}   at {self.peak_location or 'n/a'}",
             *(f"    {name:<18}{mb(value)}" for name, value in self.peak_breakdown.items() if value),
