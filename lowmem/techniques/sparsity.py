@@ -516,12 +516,13 @@ class DynamicSparsity:
             counts = [int(saved[name]) for name in self._names]
             if counts != self.compact.counts:  # placeholders of the saved sizes, filled by the model's load
                 positions = self.compact.columns.new_zeros((), dtype=torch.int32)
-                self.compact.relayout(
-                    {
-                        name: (positions.expand(count), self.compact.values.new_zeros(count))
-                        for name, count in zip(self._names, counts, strict=True)
-                    }
-                )
+                with self.compact.gathered():  # shared (sharded) values: every value, on every rank
+                    self.compact.relayout(
+                        {
+                            name: (positions.expand(count), self.compact.values.new_zeros(count))
+                            for name, count in zip(self._names, counts, strict=True)
+                        }
+                    )
         else:
             for name in self._names:
                 mask = saved[name]
