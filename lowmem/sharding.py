@@ -5,8 +5,9 @@ Each rank holds 1/N of every weight, gradient and optimizer state tensor (FSDP2 
 dimension 0); a block's weights are gathered whole for its forward and its backward only. What is
 sharded, and in what order (the order of ``shard_model``):
 
-1. normalization layers whose weights are in another dtype than the rest (pure FP16/BF16 keeps
-   them in FP32, and FSDP2 gathers one dtype per unit): each its own unit;
+1. weights in another dtype than the rest (pure FP16/BF16 keeps normalization layers in FP32, and
+   FSDP2 gathers one dtype per unit) stay whole on every rank, their gradients averaged after
+   backward (a few KB: BatchNorm's scales and shifts);
 2. the blocks checkpointing runs (a model's residual blocks, or the chains of blocks found in any
    model / named by ``checkpointing.blocks``): one unit each. Checkpointing is applied before, as
    torchtitan does: a checkpointed block recomputed in backward is gathered again by FSDP2's own
@@ -30,11 +31,14 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lowmem.profiler.peak import PeakMeasurement
@@ -91,31 +95,47 @@ def shard_model(
     if sparsity is not None and sparsity.compact is not None:
         sparsity.compact.share_values(model)
     policy = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES.get(reduce_dtype) if reduce_dtype else None)
-    options = {"mp_policy": policy}
+    # 1. Weights in another dtype than the rest (pure FP16/BF16 keeps normalization layers in FP32,
+    #    and FSDP2 gathers one dtype per unit) are not sharded: every rank holds them (a few KB), and
+    #    their gradients are averaged across ranks after backward (``average_replicated_gradients``).
+    #    Units of their own would not do: checkpointing's no_bn recomputation reads a BatchNorm's
+    #    weights without calling the module, past FSDP2's hooks.
+    replicated = [p for p in model.parameters() if p.dtype != param_dtype]
+    options = {"mp_policy": policy, "ignored_params": set(replicated)}
+    object.__setattr__(model, _REPLICATED, replicated)
     units = sharded_blocks(model, blocks)
-    # 1. Modules whose own weights are in another dtype: units of their own (FSDP2 gathers one dtype).
-    odd = [
-        module
-        for module in model.modules()
-        if module is not model
-        and not any(module is block for block in units)
-        and any(p.dtype != param_dtype for p in module.parameters(recurse=False))
-    ]
-    for module in odd:
-        fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
     # 2. The blocks, each its own unit; 3. the root (FSDP2 keeps its weights gathered from forward
     #    to backward, which begins with them).
     for block in units:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, **options)
     log.info(
-        "fsdp: %d ranks, %d blocks sharded (+%d normalization layers, + the root)%s",
+        "fsdp: %d ranks, %d blocks sharded, then the root (%d tensors of another dtype replicated)%s",
         dist.get_world_size(),
         len(units),
-        len(odd),
+        len(replicated),
         "; compact sparse values as one sharded parameter" if sparsity is not None and sparsity.compact else "",
     )
     return model
+
+
+_REPLICATED = "_lowmem_replicated"  # model attribute: the parameters FSDP2 leaves whole on every rank
+
+
+@torch.no_grad()
+def average_replicated_gradients(model: nn.Module) -> None:
+    """Average the gradients of the parameters left unsharded (``shard_model``) across the ranks,
+    as FSDP2's reduce-scatter averages the others: one all-reduce."""
+    grads = [p.grad for p in getattr(model, _REPLICATED, []) if p.grad is not None]
+    if not grads or dist.get_world_size() == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -151,6 +171,74 @@ def full_state_dict(model: nn.Module, sparsity: DynamicSparsity | None) -> dict[
             if key.endswith("_row_starts") and key.removesuffix("_row_starts") in dense:
                 continue
             state[key] = full(value).detach().to("cpu", copy=True)
+    return state
+
+
+# --- sharded checkpoints (torch.distributed.checkpoint) ------------------------------------------
+
+SHARDS_PREFIX = "checkpoint.shards."  # + the step: the directory of a checkpoint's sharded tensors
+
+
+def shards_directory(run_dir: Path, step: int) -> Path:
+    return run_dir / f"{SHARDS_PREFIX}{step:09d}"
+
+
+def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Write the model's and the optimizer's state to the directory ``path`` with
+    ``torch.distributed.checkpoint``: each rank writes its own rows of every sharded tensor (nothing
+    is gathered), tensors every rank holds alike once. A collective: call it on every rank. A
+    checkpoint written by N ranks loads on any number (``load_shards``), except optimizer state kept
+    per rank (8/4-bit codes and scales, FP16 Adam's moment scales), which needs N again."""
+    dcp.save({"model": _model_state(model), "optimizer": _optimizer_state(optimizer)}, checkpoint_id=str(path))
+
+
+def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Load ``save_shards``'s directory ``path`` into the sharded ``model`` and ``optimizer`` in place,
+    each rank reading its rows (of any number of ranks' checkpoint). Raises RuntimeError when state
+    kept per rank was written by another number of ranks."""
+    state = {"model": _model_state(model), "optimizer": _optimizer_state(optimizer)}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except (CheckpointException, RuntimeError) as error:  # a missing key: every rank's trace in one message
+        if _PER_RANK in str(error):
+            raise RuntimeError(
+                f"{path} holds optimizer state kept per rank (8/4-bit state, or FP16 Adam's moment scales) by "
+                f"another number of ranks than this run's {dist.get_world_size()}: resume on that number"
+            ) from None
+        raise
+    saved = state["optimizer"]
+    for group, loaded in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+        group.update({key: value for key, value in loaded.items() if key != "params"})
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, param in enumerate(params):
+        for key, value in saved["state"].get(str(index), {}).items():
+            if not isinstance(value, torch.Tensor):  # step counts: loaded values replace them
+                optimizer.state[param][key] = value
+    optimizer.rounding_step = int(saved.get("rounding_step", 0))
+
+
+_PER_RANK = "@rank"  # key suffix of optimizer state each rank keeps for its own rows only
+
+
+def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    with compact_state_dict_keys():  # compact values and positions as they are
+        return model.state_dict()
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` (its tensors the live ones) with plain tensors, which only this rank
+    holds as they are, under per-rank keys; sharded tensors keep theirs."""
+    state = optimizer.state_dict()
+    rank = dist.get_rank()
+    state["state"] = {
+        str(index): {
+            (
+                key if is_sharded_tensor(value) or not isinstance(value, torch.Tensor) else f"{key}{_PER_RANK}{rank}"
+            ): value
+            for key, value in entries.items()
+        }
+        for index, entries in state["state"].items()
+    }
     return state
 
 

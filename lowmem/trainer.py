@@ -11,6 +11,7 @@ import contextlib
 import fnmatch
 import json
 import logging
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -247,6 +248,7 @@ class Trainer:
             loss_total += self.microbatch_backward(part, weight, index, len(parts)).float() * weight
         if self.running_statistics is not None:  # sharded: BatchNorm statistics as one process's
             self.running_statistics.after_step()
+            sharding.average_replicated_gradients(self.unwrapped_model)
         # 3. Sparsity: zero gradients at inactive positions (torch.where, so a NaN/inf there
         #    cannot trigger an overflow skip) before the overflow check.
         if self.sparsity is not None:
@@ -362,11 +364,13 @@ class Trainer:
             # Recipes whose final score needs more than the per-epoch evaluation (BLEU of averaged
             # snapshots, for translation) compute it here.
             final_evaluation = getattr(self.recipe, "final_evaluation", None)
+            # Sharded: rank 0 scores a plain model built again from the gathered weights.
+            gathered = self.dense_state() if final_evaluation is not None and self.sharded else None
             if final_evaluation is not None and rank0:
                 self.model.eval()
                 with self.arithmetic(), autocast_context(self.policy, self.device):
                     # A dense copy: the snapshots are plain dense state dicts, averaged across masks.
-                    dense_model = dense_copy(self.unwrapped_model)
+                    dense_model = dense_copy(self.unwrapped_model) if gathered is None else self._rebuilt(gathered)
                     keep = getattr(self.recipe, "average_last", 0)
                     snapshots = self._snapshots(run_dir)[-keep:] if keep > 0 else []
                     scores = final_evaluation(dense_model, self.data.test, snapshots)
@@ -395,6 +399,13 @@ class Trainer:
             if distributed.is_rank0():
                 save_torch(state, run_dir / SNAPSHOTS / f"step_{self.state.step:09d}.pt")
 
+    def _rebuilt(self, state: dict[str, torch.Tensor]) -> nn.Module:
+        """The recipe's model, plain (no technique), in this run's precision, holding ``state``."""
+        model = self.recipe.build_model(self.config).to(self.device)
+        convert_model(model, self.policy)
+        model.load_state_dict(state)
+        return model.eval()
+
     def dense_state(self) -> dict[str, torch.Tensor]:
         """The model's plain state dict (compact weights dense, the model's own keys), whole: what
         ``model.pt`` holds. Sharded: gathered from every rank (call it on every rank)."""
@@ -411,12 +422,26 @@ class Trainer:
     def _save_checkpoint(self, run_dir: Path, metrics: MetricsLog) -> None:
         """``checkpoint.pt``, with the number of ``metrics.jsonl`` lines written up to it: a resumed
         run drops the lines after (a run killed after logging steps its checkpoint does not hold
-        would log them again). Sharded: every rank gathers its shards (call it on every rank)."""
-        if not (self.sharded or distributed.is_rank0()):
+        would log them again).
+
+        Sharded (call it on every rank): each rank writes its rows of the model and optimizer state
+        into ``checkpoint.shards.<step>/`` (``torch.distributed.checkpoint``), then rank 0 writes
+        ``checkpoint.pt`` naming that directory, then drops the older ones: a run killed at any
+        moment leaves a checkpoint.pt whose shards are complete."""
+        if self.sharded:
+            shards = sharding.shards_directory(run_dir, self.state.step)
+            sharding.save_shards(self.unwrapped_model, self.optimizer, shards)
+            state = {**self.checkpoint_state(tensors=False), "shards": shards.name}
+        elif distributed.is_rank0():
+            state = self.checkpoint_state()
+        else:
             return
-        state = self.checkpoint_state()
         if distributed.is_rank0():
             save_torch({**state, "metrics_lines": metrics.lines}, run_dir / CHECKPOINT)
+            if self.sharded:
+                for old in run_dir.glob(sharding.SHARDS_PREFIX + "*"):
+                    if old != shards:
+                        shutil.rmtree(old, ignore_errors=True)
 
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
@@ -441,11 +466,16 @@ class Trainer:
         }
 
     # --- resume --------------------------------------------------------------------------------
-    def checkpoint_state(self) -> dict[str, Any]:
-        with compact_state_dict_keys():  # positions and values, as they are: the exact state
-            model_state = self.unwrapped_model.state_dict()
-        optimizer_state = self.optimizer.state_dict()
-        if self.sharded:  # whole tensors, gathered from every rank: a checkpoint any number of ranks resumes
+    def checkpoint_state(self, tensors: bool = True) -> dict[str, Any]:
+        """Everything a resumed run needs; ``tensors=False``: without the model's and the optimizer's
+        state (a sharded checkpoint writes them apart). Sharded, with them: whole tensors gathered
+        from every rank (call it on every rank), which any number of ranks resumes."""
+        model_state = optimizer_state = None
+        if tensors:
+            with compact_state_dict_keys():  # positions and values, as they are: the exact state
+                model_state = self.unwrapped_model.state_dict()
+            optimizer_state = self.optimizer.state_dict()
+        if self.sharded and tensors:
             model_state, optimizer_state = sharding.whole(model_state), sharding.whole(optimizer_state)
         return {
             "model": model_state,
@@ -471,7 +501,9 @@ class Trainer:
             return "torch"
         return kernels.backend(self.device)
 
-    def load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+    def load_checkpoint(self, checkpoint: dict[str, Any], directory: Path | None = None) -> None:
+        """Load ``checkpoint_state()``'s output; a sharded checkpoint's tensors are read from its
+        shards' directory in ``directory`` (the run directory that holds it)."""
         check_resumable(checkpoint.get("config", {}), OmegaConf.to_container(self.config, resolve=True))
         theirs, mine = checkpoint.get("optimizer_kernels"), self.optimizer_kernels()
         # The CPU paths give the same bits (tests/test_optimizers.py); Triton and the torch fallback
@@ -495,7 +527,11 @@ class Trainer:
         # already is kept: the checkpoint may view these very buffers (run.load_state_dict(run.state_dict())).
         if self.sparsity is not None:
             self.sparsity.load_state_dict(checkpoint["sparsity"])
-        if self.sharded:  # whole tensors: each rank keeps its rows
+        if checkpoint.get("shards"):  # written by every rank apart: each reads its rows
+            if not self.sharded or directory is None:
+                raise ConfigError("trainer.resume: a sharded checkpoint resumes with trainer.parallel=fsdp")
+            sharding.load_shards(self.unwrapped_model, self.optimizer, Path(directory) / checkpoint["shards"])
+        elif self.sharded:  # whole tensors: each rank keeps its rows
             sharding.load_whole_model_state(self.unwrapped_model, checkpoint["model"])
             sharding.load_whole_optimizer_state(self.optimizer, checkpoint["optimizer"])
         else:
@@ -854,7 +890,7 @@ def resume_from(trainer: Trainer, resume_dir: str, run_dir: Path) -> None:
     # CPU byte tensors (torch.set_rng_state and Generator.set_state accept nothing else).
     checkpoint = read_checkpoint(path, f"trainer.resume={resume_dir}")
     try:
-        trainer.load_checkpoint(checkpoint)
+        trainer.load_checkpoint(checkpoint, source)
     except (KeyError, TypeError, RuntimeError) as error:
         message = f"trainer.resume={resume_dir}: {path} does not fit this run or is damaged ({error})"
         raise RunRefused(message) from error
