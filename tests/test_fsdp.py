@@ -39,6 +39,7 @@ def _rank_main(rank: int, world: int, port: int, run_dir: str, overrides: tuple[
     )
     torch.set_num_threads(1)
     from lowmem import distributed
+    from lowmem.techniques.shards import full
     from lowmem.trainer import build_trainer
 
     distributed.init_from_environment(torch.device("cpu"))
@@ -54,9 +55,9 @@ def _rank_main(rank: int, world: int, port: int, run_dir: str, overrides: tuple[
             return (rank == 1 and len(calls) == 1) or found(params)
 
         trainer.scaler.found_overflow = overflow_on_rank1_first
-        before = {k: v.full_tensor().clone() for k, v in trainer.unwrapped_model.named_parameters()}
+        before = {k: full(v).clone() for k, v in trainer.unwrapped_model.named_parameters()}
         first = trainer.train_step(trainer.example_batch())
-        after = {k: v.full_tensor() for k, v in trainer.unwrapped_model.named_parameters()}
+        after = {k: full(v).clone() for k, v in trainer.unwrapped_model.named_parameters()}
         second = trainer.train_step(trainer.example_batch())
         unchanged = all(torch.equal(before[k], after[k]) for k in before)
         torch.save({"first": first, "second": second, "unchanged": unchanged}, out / f"rank{rank}.pt")
