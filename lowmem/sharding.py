@@ -412,6 +412,24 @@ def account_shards(
     }
 
 
+def planned_gathered_bytes(model: nn.Module, sparse: dict | None = None) -> int:
+    """What ``account_shards`` calls ``gathered_bytes`` for ``model`` not sharded yet (the planner's
+    what-if): the weights outside the blocks ``shard_model`` would make units, compact sparse values
+    included (one root parameter), plus the largest block's; ``sparse``: name -> (dense shape, active
+    count) of the sparse weights."""
+    sparse = sparse or {}
+    blocks = sharded_blocks(model)
+    block_of = {id(p): index for index, block in enumerate(blocks) for p in block.parameters()}
+    root, per_block = 0, [0] * len(blocks)
+    for name, param in model.named_parameters():
+        size = (sparse[name][1] if name in sparse else param.numel()) * param.element_size()
+        if name in sparse or id(param) not in block_of:
+            root += size
+        else:
+            per_block[block_of[id(param)]] += size
+    return root + max(per_block, default=0)
+
+
 def per_rank_report(
     unsharded: MemoryReport, shards: dict[str, int], peak: PeakMeasurement | None, gradient_sync: str
 ) -> MemoryReport:
