@@ -60,7 +60,12 @@ def main(cfg: DictConfig) -> None:
     row = run(cfg)
     name = "profile.json" if row["world_size"] == 1 else f"profile.rank{row['rank']}.json"
     save_json(row, Path(HydraConfig.get().runtime.output_dir) / name)
-    print(json.dumps(row), flush=True)
+    # Under torchrun the ranks print their rows in rank order, one whole line each (written at the
+    # same moment, two ranks' output could interleave within a line).
+    for rank in range(row["world_size"]):
+        if rank == row["rank"]:
+            print(json.dumps(row), flush=True)
+        distributed.barrier()
 
 
 if __name__ == "__main__":
