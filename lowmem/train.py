@@ -83,11 +83,11 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     distributed.init_from_environment(resolve_device(cfg.trainer.device))
     # Rank 0 read the run directory: every rank continues an interrupted run (loading a checkpoint
     # is collective when the state is sharded, and every rank must hold it either way).
-    state = distributed.gather_objects(state)[0]
+    state, source = distributed.gather_objects((state, str(run_dir)))[0]
     trainer = build_trainer(cfg)
     if state == "interrupted":
         log.info("%s holds an interrupted run of this configuration: continuing it", run_dir)
-        resume_from(trainer, str(run_dir), run_dir)
+        resume_from(trainer, source, run_dir)
     elif cfg.trainer.resume:
         resume_from(trainer, cfg.trainer.resume, run_dir)
         log.info(

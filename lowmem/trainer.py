@@ -429,7 +429,8 @@ class Trainer:
         ``checkpoint.pt`` naming that directory, then drops the older ones: a run killed at any
         moment leaves a checkpoint.pt whose shards are complete."""
         if self.sharded:
-            shards = sharding.shards_directory(run_dir, self.state.step)
+            # Rank 0's run directory (under torchrun the other ranks' differ): every rank writes there.
+            shards = Path(distributed.gather_objects(str(sharding.shards_directory(run_dir, self.state.step)))[0])
             sharding.save_shards(self.unwrapped_model, self.optimizer, shards)
             state = {**self.checkpoint_state(tensors=False), "shards": shards.name}
         elif distributed.is_rank0():
