@@ -162,7 +162,7 @@ def full_state_dict(model: nn.Module, sparsity: DynamicSparsity | None) -> dict[
         with compact_state_dict_keys():
             items = model.state_dict().items()
         for key, value in items:
-            if key.startswith(SHARED_VALUES + "."):
+            if key == SHARED_VALUES:
                 continue
             weight = key.removesuffix("_columns")
             if weight in dense:  # a compact weight, dense, in place of its positions

@@ -36,7 +36,7 @@ modify in place — and a bare 2-D parameter that the model applies with ``linea
 parameter and one set of positions, held by every module that used the dense weight.
 
 **Sharded training** (``trainer.parallel=fsdp``; ``CompactWeights.share_values``): the values of all
-layers become one parameter, ``<model>.lowmem_compact_values.values`` (the flat buffer itself, whose
+layers become one parameter of the model, ``lowmem_compact_values`` (the flat buffer itself, whose
 size never changes), which FSDP2 shards like any parameter; the layers' ``<name>_values`` are then
 views of it that the model's forward binds once FSDP2 has gathered it (and backward accumulates
 their gradients into the gathered buffer's, which FSDP2 reduce-scatters). Positions stay whole on
@@ -68,7 +68,7 @@ _VALUES, _COLUMNS, _ROW_STARTS = "_values", "_columns", "_row_starts"
 _INDEX = (_COLUMNS, _ROW_STARTS)  # the buffers that say where the values are
 _FLAT_POSITIONS = "_positions"  # the former layout's int32 flat positions (converted on load)
 _SHAPES = "_compact_shapes"  # module attribute: {weight attribute: dense shape}
-SHARED_VALUES = "lowmem_compact_values"  # sharded training: the submodule holding every compact value
+SHARED_VALUES = "lowmem_compact_values"  # sharded training: the model's parameter holding every compact value
 
 ROW = 1 << 15  # entries per row of a flattened weight: every column index fits in int16
 # Active entries whose flat positions are built at once: ``densify``'s int64 indices (1 MiB, and
@@ -519,7 +519,7 @@ class CompactWeights:
         rows = sum(row_count(dense[name].numel()) + 1 for name in self.names)
         self.row_starts = torch.empty(rows, dtype=torch.int64, device=device)
         self.counts = [0] * len(self.names)
-        self.shared: SharedValues | None = None  # sharded training: the parameter holding every value
+        self.shared: nn.Module | None = None  # sharded training: the model holding every value (SHARED_VALUES)
         with torch.no_grad():
             layers = {name: (positions[name], dense[name].flatten()[positions[name]]) for name in self.names}
             for name, (module, attr) in self._owners.items():
@@ -578,21 +578,25 @@ class CompactWeights:
         self._store(layers)
 
     # ------------------------------------------------------------------------- sharded training
-    def share_values(self, model: nn.Module) -> SharedValues:
-        """Make the values of every layer one parameter of ``model`` (a ``SharedValues`` submodule
-        named ``SHARED_VALUES``), for FSDP2 to shard: the flat buffer, whose size a rewiring never
-        changes. The layers' ``<name>_values`` stop being parameters; ``model``'s forward binds them
-        as views of the parameter FSDP2 has gathered (call this before sharding ``model``: FSDP2's
-        own hook, which gathers, runs first)."""
+    def share_values(self, model: nn.Module) -> None:
+        """Make the values of every layer one parameter of ``model``, ``SHARED_VALUES`` (a parameter,
+        not a submodule, which a container model would run), for FSDP2 to shard: the flat buffer,
+        whose size a rewiring never changes. The layers' ``<name>_values`` stop being parameters;
+        ``model``'s forward binds them as views of the parameter FSDP2 has gathered (FSDP2's hook,
+        which gathers, runs before any other)."""
         self._follow_the_model()
-        holder = SharedValues(self.values, requires_grad=any(self.values_of(n).requires_grad for n in self.names))
+        requires_grad = any(self.values_of(name).requires_grad for name in self.names)
         for name in self.names:
             for place, attr in self._places(name):
                 del place._parameters[attr + _VALUES]
-        model.add_module(SHARED_VALUES, holder)
-        self.shared, self.values = holder, None
-        model.register_forward_pre_hook(lambda module, args: self._bind(self.shared.values))
-        return holder
+        model.register_parameter(SHARED_VALUES, nn.Parameter(self.values, requires_grad=requires_grad))
+        self.shared, self.values = model, None
+        model.register_forward_pre_hook(lambda module, args: self._bind(self.shared_values))
+
+    @property
+    def shared_values(self) -> nn.Parameter:
+        """Shared values: the parameter as the model holds it now (sharded, or gathered by FSDP2)."""
+        return getattr(self.shared, SHARED_VALUES)
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -602,11 +606,11 @@ class CompactWeights:
         if self.shared is None or self.values is not None:
             yield
             return
-        self.values = full(self.shared.values.detach()).clone()
+        self.values = full(self.shared_values.detach()).clone()
         self._bind(self.values)
         try:
             yield
-            write_full(self.shared.values, self.values)
+            write_full(self.shared_values, self.values)
         finally:
             for name in self.names:
                 for place, attr in self._places(name):
@@ -669,14 +673,6 @@ class CompactWeights:
         self.values = torch.cat([*(v.detach() for v in values), values[0].new_zeros(unused)])
         self.columns = torch.cat([*columns, columns[0].new_zeros(unused)])
         self.row_starts = torch.cat(row_starts)
-
-
-class SharedValues(nn.Module):
-    """Sharded training: every compact value of a model as one 1-D parameter, ``values``."""
-
-    def __init__(self, values: torch.Tensor, requires_grad: bool = True) -> None:
-        super().__init__()
-        self.values = nn.Parameter(values, requires_grad=requires_grad)
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:

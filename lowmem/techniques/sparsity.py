@@ -465,8 +465,8 @@ class DynamicSparsity:
             unused = self.compact.capacity - sum(len(source) for source in sources)
             source = torch.cat([*sources, sources[0].new_full((unused,), -1)])
             if optimizer is not None:
-                remap_shared_optimizer_state(optimizer, self.compact.shared.values, source)
-            self.compact.shared.values.grad = None  # the step's gradient belongs to the old layout
+                remap_shared_optimizer_state(optimizer, self.compact.shared_values, source)
+            self.compact.shared_values.grad = None  # the step's gradient belongs to the old layout
             self.compact.relayout(layers)
             return
         self.compact.relayout(layers)
