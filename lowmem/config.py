@@ -192,6 +192,11 @@ class PrecisionConfig:
     stochastic_rounding: bool = knob(False, "`fp16`/`bf16`: round each weight update to 16 bits stochastically.")
     init_scale: float = knob(65536.0, "`fp16`: the dynamic loss scale's initial value.")
     growth_interval: int = knob(2000, "`fp16`: steps without overflow before the loss scale doubles.")
+    reduce_dtype: str | None = knob(
+        None,
+        "`trainer.parallel=fsdp`: the dtype gradients are reduce-scattered in: null (the weights' own: 16 bits "
+        "under `fp16`/`bf16`), `fp32` or `fp64`.",
+    )
     cpu_compute: str = knob(
         "auto",
         "On a CPU, where 16-bit convolutions and matrix products are computed: `native` (PyTorch's 16-bit kernels, "
@@ -280,6 +285,24 @@ class TrainerConfig:
     )
     num_threads: int | None = knob(None, "CPU threads for torch (null: torch's default).")
     sync_batchnorm: bool = knob(False, "Data parallel: `SyncBatchNorm` instead of per-rank BatchNorm statistics.")
+    parallel: str = knob(
+        "ddp",
+        "Data parallel under torchrun: `ddp` (DistributedDataParallel: every rank holds the whole model, gradients "
+        "and optimizer state) or `fsdp` (PyTorch FSDP2: weights, gradients and optimizer state sharded across the "
+        "ranks, each block gathered while it computes; `docs/distributed.md`). `fsdp` in one process is a shard of "
+        "1 (it runs, and resumes a sharded checkpoint on one rank).",
+    )
+    reshard_after_forward: bool = knob(
+        True,
+        "`trainer.parallel=fsdp`: free each block's gathered weights after its forward and gather them again for "
+        "backward (ZeRO-3: least memory); false keeps them gathered until backward (ZeRO-2: one gather fewer).",
+    )
+    gradient_sync: str = knob(
+        "microbatch",
+        "`trainer.parallel=fsdp` with true microbatching: `microbatch` (gradients reduce-scattered after every "
+        "microbatch: each rank accumulates only its shard) or `minibatch` (once, after the last microbatch: "
+        "fewer collectives, but every rank accumulates unsharded gradients of the whole model).",
+    )
     cuda_graphs: str = knob(
         "auto",
         "`auto`: on CUDA in one process, each microbatch shape that repeats is captured once (forward, loss "
@@ -334,6 +357,11 @@ class PlanConfig:
         "Also run one real step of the chosen configuration; one whose measured peak exceeds the budget is skipped.",
     )
     top: int = knob(10, "Rows of the table of configurations that fit.")
+    world_size: int = knob(
+        1,
+        "Ranks to plan for: above 1, per-rank memory with `trainer.parallel=fsdp` (weights, gradients and "
+        "optimizer state divided among the ranks, plus the largest gathered block), without starting the ranks.",
+    )
 
 
 @dataclass
@@ -602,6 +630,7 @@ def validate(cfg: DictConfig | Config) -> None:
         cfg.checkpointing.every,
         "must be an integer >= 1",
     )
+    _validate_parallel(cfg)
     name_list(cfg.checkpointing.blocks, "checkpointing.blocks")
     try:
         validate_compress(cfg.checkpointing.compress)
@@ -616,3 +645,67 @@ def validate(cfg: DictConfig | Config) -> None:
     name_list(cfg.sparsity.include, "sparsity.include")
     name_list(cfg.sparsity.exclude, "sparsity.exclude")
     _require(cfg.logger.name in ("none", "wandb"), "logger", cfg.logger.name, "one of none, wandb")
+
+
+PARALLELS = ("ddp", "fsdp")
+GRADIENT_SYNCS = ("microbatch", "minibatch")
+REDUCE_DTYPES = ("fp32", "fp64")
+
+
+def _validate_parallel(cfg: DictConfig | Config) -> None:
+    """``trainer.parallel`` and the knobs of sharded training; what ``fsdp`` does not shard yet is
+    refused here, naming the knob, rather than trained wrongly."""
+    parallel = cfg.trainer.parallel
+    _require(parallel in PARALLELS, "trainer.parallel", parallel, f"one of {', '.join(PARALLELS)}")
+    _require(
+        cfg.trainer.gradient_sync in GRADIENT_SYNCS,
+        "trainer.gradient_sync",
+        cfg.trainer.gradient_sync,
+        f"one of {', '.join(GRADIENT_SYNCS)}",
+    )
+    reduce_dtype = cfg.precision.reduce_dtype
+    _require(
+        reduce_dtype is None or reduce_dtype in REDUCE_DTYPES,
+        "precision.reduce_dtype",
+        reduce_dtype,
+        f"null (the weights' dtype) or one of {', '.join(REDUCE_DTYPES)}",
+    )
+    world_size = cfg.plan.world_size
+    _require(
+        isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1,
+        "plan.world_size",
+        world_size,
+        "an integer >= 1",
+    )
+    if parallel != "fsdp":
+        return
+    _require(
+        cfg.sparsity.density == 1.0 or cfg.sparsity.storage == "compact",
+        "sparsity.storage",
+        cfg.sparsity.storage,
+        "with trainer.parallel=fsdp only compact (masked sparse weights are not sharded yet)",
+    )
+    _require(
+        cfg.precision.name != "amp",
+        "precision",
+        cfg.precision.name,
+        "with trainer.parallel=fsdp one of fp32, fp16, bf16, fp64 (amp is not sharded yet)",
+    )
+    _require(
+        not cfg.trainer.sync_batchnorm,
+        "trainer.sync_batchnorm",
+        cfg.trainer.sync_batchnorm,
+        "false with trainer.parallel=fsdp (SyncBatchNorm is not sharded yet)",
+    )
+    _require(
+        str(cfg.checkpointing.compress) == "none",
+        "checkpointing.compress",
+        cfg.checkpointing.compress,
+        "none with trainer.parallel=fsdp (compressed saved activations are not tested with sharding yet)",
+    )
+    _require(
+        not cfg.checkpointing.offload,
+        "checkpointing.offload",
+        cfg.checkpointing.offload,
+        "false with trainer.parallel=fsdp (offloaded saved activations are not tested with sharding yet)",
+    )

@@ -102,6 +102,12 @@ def check_identical(value: int, what: str, device: torch.device) -> None:
         raise RuntimeError(f"{what} differ between data-parallel ranks (checksums {int(low)} .. {int(high)})")
 
 
+def barrier() -> None:
+    """Wait for every rank (nothing in one process)."""
+    if world_size() > 1:
+        dist.barrier()
+
+
 def gather_objects(value: Any) -> list[Any]:
     """``value`` from every rank, in rank order (picklable objects; ``[value]`` in one process)."""
     if world_size() == 1:

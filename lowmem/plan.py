@@ -49,7 +49,9 @@ def plan(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     return the JSON row."""
     if cfg.plan.top < 1:
         raise ConfigError(f"plan.top={cfg.plan.top!r} is not allowed: a number of table rows >= 1")
-    return plan_search(overrides, cfg.plan.budget_mb, top=cfg.plan.top, verify=cfg.plan.verify)
+    return plan_search(
+        overrides, cfg.plan.budget_mb, top=cfg.plan.top, verify=cfg.plan.verify, world_size=cfg.plan.world_size
+    )
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -60,7 +60,13 @@ def main(cfg: DictConfig) -> None:
     row = run(cfg)
     name = "profile.json" if row["world_size"] == 1 else f"profile.rank{row['rank']}.json"
     save_json(row, Path(HydraConfig.get().runtime.output_dir) / name)
-    print(json.dumps(row), flush=True)
+    # Under torchrun the ranks print their rows one after another, one whole line each (written at
+    # the same moment, two ranks' output could interleave within a line), rank 0's last: the last
+    # stdout line is rank 0's row.
+    for rank in reversed(range(row["world_size"])):
+        if rank == row["rank"]:
+            print(json.dumps(row), flush=True)
+        distributed.barrier()
 
 
 if __name__ == "__main__":

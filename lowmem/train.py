@@ -81,10 +81,13 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         log.info("%s already holds the finished result of this configuration: skipped", run_dir)
         return json.loads((run_dir / RESULT).read_text())
     distributed.init_from_environment(resolve_device(cfg.trainer.device))
+    # Rank 0 read the run directory: every rank continues an interrupted run (loading a checkpoint
+    # is collective when the state is sharded, and every rank must hold it either way).
+    state, source = distributed.gather_objects((state, str(run_dir)))[0]
     trainer = build_trainer(cfg)
     if state == "interrupted":
         log.info("%s holds an interrupted run of this configuration: continuing it", run_dir)
-        resume_from(trainer, str(run_dir), run_dir)
+        resume_from(trainer, source, run_dir)
     elif cfg.trainer.resume:
         resume_from(trainer, cfg.trainer.resume, run_dir)
         log.info(

@@ -11,6 +11,7 @@ import contextlib
 import fnmatch
 import json
 import logging
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,12 +23,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lowmem import distributed, kernels
+from lowmem import distributed, kernels, sharding
 from lowmem.config import ConfigError, microbatch_mode, name_list, state_width, validate
 from lowmem.libraries import configure_libraries
 from lowmem.metrics_log import MetricsLog, Progress
 from lowmem.planning.optimal import apply_optimal_checkpointing
 from lowmem.profiler import profile_trainer, track_peak
+from lowmem.profiler.peak import measure_peak
+from lowmem.profiler.report import MemoryReport
 from lowmem.profiler.step import data_tensors
 from lowmem.recipe import Recipe, RecipeData, TechniqueDefaults, get_recipe
 from lowmem.run.files import (
@@ -107,7 +110,13 @@ class Trainer:
         device: torch.device,
     ) -> None:
         self.config, self.recipe, self.device, self.policy = cfg, recipe, device, policy
-        self.model = model  # possibly DistributedDataParallel-wrapped
+        self.model = model  # possibly DistributedDataParallel-wrapped, or sharded by FSDP2 in place
+        self.sharded = sharding.is_sharded(model)  # trainer.parallel=fsdp
+        # Sharded: the accounting of one rank's step made before sharding (activations and FLOPs of
+        # this rank's share; apply_techniques sets it), to which the profiler adds what it holds.
+        self.unsharded_report: MemoryReport | None = None
+        self.sharded_report = self._sharded_report if self.sharded else None
+        self.running_statistics = sharding.RunningStatistics(self.unwrapped_model) if self.sharded else None
         self.data = data
         self.sparsity = sparsity
         self.lr_mult = cfg.optim.lr_mult if cfg.optim.lr_mult is not None else defaults.lr_mult
@@ -136,7 +145,7 @@ class Trainer:
             self.eager_microbatches,
             self.unwrapped_model,
             device,
-            data_parallel=distributed.world_size() > 1,
+            data_parallel=distributed.world_size() > 1 or self.sharded,
         )
         tune_convolutions(self.unwrapped_model, device, cfg.trainer.workspaces)  # CUDA: cuDNN timing
         # Where 16-bit convolutions and matrix products are computed on a CPU, decided once (auto:
@@ -188,6 +197,8 @@ class Trainer:
         # 2. Forward, loss scaling (FP16: gradients stay scaled; the optimizer unscales them in FP32)
         #    and backward, accumulating into the gradients.
         runner = self.eager_microbatches if local else self.microbatch_runner
+        if self.sharded and not local and self.config.trainer.gradient_sync == "minibatch":
+            sharding.set_gradient_sync(model, index == count - 1)
         with no_sync_except_last(model, index, count):
             return runner.forward_backward(model, part, weight)
 
@@ -197,6 +208,19 @@ class Trainer:
             report = profile_trainer(self, measure=False).to_json()
         keys = ("model_bytes", "optimizer_bytes", "optimizer_state_bytes", "activation_bytes", "total_bytes", "flops")
         return {key: report[key] for key in keys}
+
+    def _sharded_report(self, measure: bool, batch: Any) -> MemoryReport:
+        """``profile_trainer`` of a sharded trainer: this rank's shards, the gathered weights, and
+        (``measure``) the measured peak of one real sharded step over ``batch``."""
+        shards = sharding.account_shards(self.unwrapped_model, self.optimizer, self.sparsity)
+        peak = None
+        if measure:
+            owners, data = (self, batch), data_tensors(self, batch)
+            peak = measure_peak(
+                lambda: self.train_step(batch), self.unwrapped_model, self.optimizer, data=data, owners=owners,
+                arithmetic=self.arithmetic(),
+            )  # fmt: skip
+        return sharding.per_rank_report(self.unsharded_report, shards, peak, self.config.trainer.gradient_sync)
 
     def example_batch(self) -> Any:
         """The first training minibatch (what the profiler measures)."""
@@ -225,10 +249,15 @@ class Trainer:
         self.microbatch_runner.start_step(self.params)
         parts = self.microbatches(batch)
         loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
+        if self.running_statistics is not None:
+            self.running_statistics.before_step()
         for index, (part, weight) in enumerate(parts):
             if self.compression is not None:  # the random bits of this microbatch (a resume draws the same)
                 self.compression.start_microbatch(self.state.step, index)
             loss_total += self.microbatch_backward(part, weight, index, len(parts)).float() * weight
+        if self.running_statistics is not None:  # sharded: BatchNorm statistics as one process's
+            self.running_statistics.after_step()
+            sharding.average_replicated_gradients(self.unwrapped_model)
         # 3. Sparsity: zero gradients at inactive positions (torch.where, so a NaN/inf there
         #    cannot trigger an overflow skip) before the overflow check.
         if self.sparsity is not None:
@@ -295,8 +324,7 @@ class Trainer:
                     if signum is not None:
                         state.train_seconds += time.perf_counter() - started
                         progress.end_epoch(f"epoch {state.epoch}: stopped at step {state.step}")
-                        if rank0:
-                            self._save_checkpoint(run_dir, metrics)
+                        self._save_checkpoint(run_dir, metrics)
                         raise Interrupted(signum, state.step, run_dir / CHECKPOINT)
                 state.train_seconds += time.perf_counter() - started
                 epoch_finished = state.batch_in_epoch >= len(train)
@@ -324,11 +352,12 @@ class Trainer:
                 if epoch_finished:
                     state.epoch += 1
                     state.batch_in_epoch = 0
+                # The snapshot before the checkpoint, old snapshots dropped after it: a run killed
+                # in between resumes with every snapshot its checkpoint counts on. (Sharded: every
+                # rank gathers its shards; rank 0 writes.)
+                self._save_snapshot(run_dir)
+                self._save_checkpoint(run_dir, metrics)
                 if rank0:
-                    # The snapshot before the checkpoint, old snapshots dropped after it: a run
-                    # killed in between resumes with every snapshot its checkpoint counts on.
-                    self._save_snapshot(run_dir)
-                    self._save_checkpoint(run_dir, metrics)
                     self._drop_old_snapshots(run_dir)
                 signum = stop.requested(self.device)
                 if signum is not None:
@@ -344,18 +373,21 @@ class Trainer:
             # Recipes whose final score needs more than the per-epoch evaluation (BLEU of averaged
             # snapshots, for translation) compute it here.
             final_evaluation = getattr(self.recipe, "final_evaluation", None)
+            # Sharded: rank 0 scores a plain model built again from the gathered weights.
+            gathered = self.dense_state() if final_evaluation is not None and self.sharded else None
             if final_evaluation is not None and rank0:
                 self.model.eval()
                 with self.arithmetic(), autocast_context(self.policy, self.device):
                     # A dense copy: the snapshots are plain dense state dicts, averaged across masks.
-                    dense_model = dense_copy(self.unwrapped_model)
+                    dense_model = dense_copy(self.unwrapped_model) if gathered is None else self._rebuilt(gathered)
                     keep = getattr(self.recipe, "average_last", 0)
                     snapshots = self._snapshots(run_dir)[-keep:] if keep > 0 else []
                     scores = final_evaluation(dense_model, self.data.test, snapshots)
                 result.update(scores)
                 metrics.log({"step": state.step, "final": scores})
+            model_state = self.dense_state() if rank0 or self.sharded else None
             if rank0:
-                save_torch(dense_state_dict(self.unwrapped_model), run_dir / MODEL)
+                save_torch(model_state, run_dir / MODEL)
                 save_json(result, run_dir / RESULT)
         finally:
             metrics.close()
@@ -371,8 +403,24 @@ class Trainer:
     def _save_snapshot(self, run_dir: Path) -> None:
         """Keep the model after each of the last ``recipe.average_last`` evaluations (translation
         averages them for its final score; ``_drop_old_snapshots`` removes the older ones)."""
-        if getattr(self.recipe, "average_last", 0) > 0:
-            save_torch(dense_state_dict(self.unwrapped_model), run_dir / SNAPSHOTS / f"step_{self.state.step:09d}.pt")
+        if getattr(self.recipe, "average_last", 0) > 0 and (self.sharded or distributed.is_rank0()):
+            state = self.dense_state()
+            if distributed.is_rank0():
+                save_torch(state, run_dir / SNAPSHOTS / f"step_{self.state.step:09d}.pt")
+
+    def _rebuilt(self, state: dict[str, torch.Tensor]) -> nn.Module:
+        """The recipe's model, plain (no technique), in this run's precision, holding ``state``."""
+        model = self.recipe.build_model(self.config).to(self.device)
+        convert_model(model, self.policy)
+        model.load_state_dict(state)
+        return model.eval()
+
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        """The model's plain state dict (compact weights dense, the model's own keys), whole: what
+        ``model.pt`` holds. Sharded: gathered from every rank (call it on every rank)."""
+        if self.sharded:
+            return sharding.full_state_dict(self.unwrapped_model, self.sparsity)
+        return dense_state_dict(self.unwrapped_model)
 
     def _drop_old_snapshots(self, run_dir: Path) -> None:
         keep = getattr(self.recipe, "average_last", 0)
@@ -383,8 +431,27 @@ class Trainer:
     def _save_checkpoint(self, run_dir: Path, metrics: MetricsLog) -> None:
         """``checkpoint.pt``, with the number of ``metrics.jsonl`` lines written up to it: a resumed
         run drops the lines after (a run killed after logging steps its checkpoint does not hold
-        would log them again)."""
-        save_torch({**self.checkpoint_state(), "metrics_lines": metrics.lines}, run_dir / CHECKPOINT)
+        would log them again).
+
+        Sharded (call it on every rank): each rank writes its rows of the model and optimizer state
+        into ``checkpoint.shards.<step>/`` (``torch.distributed.checkpoint``), then rank 0 writes
+        ``checkpoint.pt`` naming that directory, then drops the older ones: a run killed at any
+        moment leaves a checkpoint.pt whose shards are complete."""
+        if self.sharded:
+            # Rank 0's run directory (under torchrun the other ranks' differ): every rank writes there.
+            shards = Path(distributed.gather_objects(str(sharding.shards_directory(run_dir, self.state.step)))[0])
+            sharding.save_shards(self.unwrapped_model, self.optimizer, shards)
+            state = {**self.checkpoint_state(tensors=False), "shards": shards.name}
+        elif distributed.is_rank0():
+            state = self.checkpoint_state()
+        else:
+            return
+        if distributed.is_rank0():
+            save_torch({**state, "metrics_lines": metrics.lines}, run_dir / CHECKPOINT)
+            if self.sharded:
+                for old in run_dir.glob(sharding.SHARDS_PREFIX + "*"):
+                    if old != shards:
+                        shutil.rmtree(old, ignore_errors=True)
 
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
@@ -409,12 +476,20 @@ class Trainer:
         }
 
     # --- resume --------------------------------------------------------------------------------
-    def checkpoint_state(self) -> dict[str, Any]:
-        with compact_state_dict_keys():  # positions and values, as they are: the exact state
-            model_state = self.unwrapped_model.state_dict()
+    def checkpoint_state(self, tensors: bool = True) -> dict[str, Any]:
+        """Everything a resumed run needs; ``tensors=False``: without the model's and the optimizer's
+        state (a sharded checkpoint writes them apart). Sharded, with them: whole tensors gathered
+        from every rank (call it on every rank), which any number of ranks resumes."""
+        model_state = optimizer_state = None
+        if tensors:
+            with compact_state_dict_keys():  # positions and values, as they are: the exact state
+                model_state = self.unwrapped_model.state_dict()
+            optimizer_state = self.optimizer.state_dict()
+        if self.sharded and tensors:
+            model_state, optimizer_state = sharding.whole(model_state), sharding.whole(optimizer_state)
         return {
             "model": model_state,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "scaler": self.scaler.state_dict(),
             "sparsity": self.sparsity.state_dict() if self.sparsity is not None else None,
             "trainer": vars(self.state).copy(),
@@ -436,7 +511,9 @@ class Trainer:
             return "torch"
         return kernels.backend(self.device)
 
-    def load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+    def load_checkpoint(self, checkpoint: dict[str, Any], directory: Path | None = None) -> None:
+        """Load ``checkpoint_state()``'s output; a sharded checkpoint's tensors are read from its
+        shards' directory in ``directory`` (the run directory that holds it)."""
         check_resumable(checkpoint.get("config", {}), OmegaConf.to_container(self.config, resolve=True))
         theirs, mine = checkpoint.get("optimizer_kernels"), self.optimizer_kernels()
         # The CPU paths give the same bits (tests/test_optimizers.py); Triton and the torch fallback
@@ -460,9 +537,17 @@ class Trainer:
         # already is kept: the checkpoint may view these very buffers (run.load_state_dict(run.state_dict())).
         if self.sparsity is not None:
             self.sparsity.load_state_dict(checkpoint["sparsity"])
-        with compact_state_dict_keys():
-            self.unwrapped_model.load_state_dict(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        if checkpoint.get("shards"):  # written by every rank apart: each reads its rows
+            if not self.sharded or directory is None:
+                raise ConfigError("trainer.resume: a sharded checkpoint resumes with trainer.parallel=fsdp")
+            sharding.load_shards(self.unwrapped_model, self.optimizer, Path(directory) / checkpoint["shards"])
+        elif self.sharded:  # whole tensors: each rank keeps its rows
+            sharding.load_whole_model_state(self.unwrapped_model, checkpoint["model"])
+            sharding.load_whole_optimizer_state(self.optimizer, checkpoint["optimizer"])
+        else:
+            with compact_state_dict_keys():
+                self.unwrapped_model.load_state_dict(checkpoint["model"])
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scaler.load_state_dict(checkpoint["scaler"])
         self.state = TrainState(**checkpoint["trainer"])
         # Generator states are CPU byte tensors whatever device the checkpoint was mapped to.
@@ -486,6 +571,7 @@ STATE_KNOBS = (
     "sparsity.storage",
     "sparsity.include",
     "sparsity.exclude",
+    "trainer.parallel",
 )
 _ABSENT = object()
 
@@ -750,11 +836,32 @@ def apply_techniques(
                 apply_checkpointing(model, cfg.checkpointing.strategy, cfg.checkpointing.every, blocks)
         if compress is not None:
             apply_compression(model, compress, seed=cfg.trainer.seed)
-    # 6. Data parallel wrapper outermost (it hooks the gradients of the final parameters).
-    model = distributed.wrap_model(model, device, sync_batchnorm=cfg.trainer.sync_batchnorm)
+    # 6. Data parallel last, over the final parameters: DDP's wrapper (it hooks their gradients), or
+    #    FSDP2's sharding after checkpointing, as torchtitan orders them (a checkpointed block's
+    #    recomputation is gathered by FSDP2's hooks; lowmem.sharding).
+    if cfg.trainer.parallel == "fsdp":
+        # What one rank's step needs besides its shards (activations and FLOPs of its share of the
+        # minibatch), accounted on fake tensors while the model is whole, as `optimal` does.
+        provisional = Trainer(cfg, recipe, model, data, policy, sparsity, defaults, device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            unsharded = profile_trainer(provisional, measure=False)
+        del provisional  # its optimizer state must not coexist with the real trainer's
+        model = sharding.shard_model(
+            model,
+            device,
+            param_dtype=policy.param_dtype,
+            blocks=blocks,
+            reshard_after_forward=cfg.trainer.reshard_after_forward,
+            reduce_dtype=cfg.precision.reduce_dtype,
+            sparsity=sparsity,
+        )
+    else:
+        model = distributed.wrap_model(model, device, sync_batchnorm=cfg.trainer.sync_batchnorm)
     if sparsity is not None:
         distributed.check_identical(sparsity.mask_checksum(), "initial sparsity masks", device)
     trainer = Trainer(cfg, recipe, model, data, policy, sparsity, defaults, device)
+    if trainer.sharded:
+        trainer.unsharded_report = unsharded
     if distributed.is_rank0():
         log.info(
             "recipe %s on %s | %s | density %.3g, lr x%g, rewire fraction x%g, frequency x%g | "
@@ -814,7 +921,7 @@ def resume_from(trainer: Trainer, resume_dir: str, run_dir: Path) -> None:
     # CPU byte tensors (torch.set_rng_state and Generator.set_state accept nothing else).
     checkpoint = read_checkpoint(path, f"trainer.resume={resume_dir}")
     try:
-        trainer.load_checkpoint(checkpoint)
+        trainer.load_checkpoint(checkpoint, source)
     except (KeyError, TypeError, RuntimeError) as error:
         message = f"trainer.resume={resume_dir}: {path} does not fit this run or is damaged ({error})"
         raise RunRefused(message) from error

@@ -118,7 +118,7 @@ LAYERS = [
     ("foundations", ["lowmem.kernels", "lowmem.residual", "lowmem.profiler", "lowmem.signals", "lowmem.libraries",
                      "lowmem.schedules", "lowmem.download"]),
     ("techniques", ["lowmem.techniques"]),
-    ("configuration", ["lowmem.config", "lowmem.knobs", "lowmem.recipe", "lowmem.distributed"]),
+    ("configuration", ["lowmem.config", "lowmem.knobs", "lowmem.recipe", "lowmem.distributed", "lowmem.sharding"]),
     ("run files", ["lowmem.run", "lowmem.metrics_log"]),
     ("checkpoint planning", ["lowmem.planning.schedule", "lowmem.planning.measure", "lowmem.planning.optimal",
                              "lowmem.planning.reported", "lowmem.planning.ahead", "lowmem.planning"]),

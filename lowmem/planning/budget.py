@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from omegaconf import DictConfig
@@ -63,15 +64,18 @@ def plan_search(
     verify: bool = False,
     build: Callable[[DictConfig], Any] | None = None,
     echo: bool = True,
+    world_size: int = 1,
 ) -> dict[str, Any]:
     """The search behind ``lowmem.plan`` and ``lowmem.api.plan``: ``build`` makes a trainer from a
-    configuration (default: a recipe's, ``build_trainer``); ``echo`` prints the table and profile."""
+    configuration (default: a recipe's, ``build_trainer``); ``echo`` prints the table and profile.
+    ``world_size`` above 1 (``plan.world_size``): the budget is per rank of ``trainer.parallel=fsdp``
+    over that many ranks, planned in this process (``Planner``)."""
     if budget_mb is None or not math.isfinite(budget_mb) or budget_mb <= 0:
         raise ConfigError(f"plan.budget_mb={budget_mb!r} is not allowed: lowmem.plan needs the budget, a finite MB > 0")
     say = print if echo else (lambda *args: None)
     started = time.perf_counter()
     budget = round(budget_mb * MB)
-    planner = Planner(overrides, budget, build=build)
+    planner = Planner(overrides, budget, build=build, world_size=world_size)
     # The chosen configuration, built from its overrides as lowmem.train will build it and profiled:
     # the best one found is, by a forked child while the search goes on (lowmem.planning.ahead).
     profiled: dict[Candidate, tuple[MemoryReport, dict[str, Any]]] = {}
@@ -87,6 +91,8 @@ def plan_search(
     for chosen in found:
         try:
             report, row = profiled.pop(chosen, None) or profile_row(planner.build_chosen(chosen), verify)
+            if world_size > 1:
+                report, row = _per_rank(planner, chosen, report, row)
             # With CUDA graph replay, what must fit is the total with the graphs' pool (the search's figures).
             if chosen.strategy == "optimal" and (_held_activations(row), row["flops"]) != (
                 chosen.activation_bytes, chosen.flops
@@ -102,7 +108,7 @@ def plan_search(
         say(f"(#{found.index(chosen) + 1} profiled at {held / MB:.3f} MB when built alone: skipped)")
     else:
         raise ConfigError(f"plan.budget_mb={budget_mb:g}: no configuration found fits when built alone")
-    chosen_overrides = planner.overrides(chosen)
+    chosen_overrides = planner.overrides(chosen) + (["trainer.parallel=fsdp"] if world_size > 1 else [])
     say(f"\nchosen: {' '.join(chosen_overrides) or '(the knobs as fixed)'}")
     if chosen.schedule:
         say(f"optimal checkpoint schedule (per stack, forward order): {chosen.schedule}")
@@ -129,6 +135,27 @@ def plan_search(
         "reported": None if reported is None else dict(zip(("metric", "value", "cost"), reported, strict=True)),
         "search_seconds": round(searched, 2),
     }
+
+
+def _per_rank(
+    planner: Planner, chosen: Candidate, report: MemoryReport, row: dict[str, Any]
+) -> tuple[MemoryReport, dict[str, Any]]:
+    """The chosen configuration's profile (one process, one rank's share of the minibatch) as one
+    rank of ``plan.world_size`` holds it: the first rank's shards of the weights, gradients and
+    optimizer state, and the weights gathered at once with their gradients (in the budget figure)."""
+    state = planner.state_bytes(chosen.density, chosen.precision, chosen.state_bits)
+    change = state.model_bytes + state.optimizer_bytes - row["model_bytes"] - row["optimizer_bytes"]
+    gathered = planner.gathered_bytes(chosen.density, chosen.precision)
+    changes = {
+        "model_bytes": state.model_bytes,
+        "optimizer_bytes": state.optimizer_bytes,
+        "optimizer_state_bytes": state.optimizer_state_bytes,
+        "total_bytes": row["total_bytes"] + change,
+        "total_with_graph_pool_bytes": row["total_with_graph_pool_bytes"] + change,
+        "budget_total_bytes": row["budget_total_bytes"] + change + gathered,
+        "gathered_bytes": gathered // 2,
+    }
+    return replace(report, **changes), {**row, **changes}
 
 
 def _held_activations(row: dict[str, Any]) -> int:

@@ -72,6 +72,7 @@ from lowmem.planning import ahead
 from lowmem.planning.optimal import AccountedSchedule, CheckpointPlacement, MinibatchAccounting, reusing_placement
 from lowmem.planning.reported import reported_metric
 from lowmem.profiler import MB, StateBytes, account_state, profile_trainer, step_temporaries
+from lowmem.sharding import planned_gathered_bytes
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.compression import allowed_widths, apply_compression, compression_of, validate_compress
 from lowmem.trainer import Trainer, build_trainer
@@ -167,7 +168,11 @@ class Planner:
     """
 
     def __init__(
-        self, overrides: Sequence[str], budget_bytes: int, build: Callable[[DictConfig], Trainer] | None = None
+        self,
+        overrides: Sequence[str],
+        budget_bytes: int,
+        build: Callable[[DictConfig], Trainer] | None = None,
+        world_size: int = 1,
     ) -> None:
         self.build = build_trainer if build is None else build  # a trainer from a configuration
         self.parallel = True  # a forked child accounts ahead where it can (lowmem.planning.ahead)
@@ -183,6 +188,18 @@ class Planner:
         self.base = [o for o in given if knob_of(o) not in SEARCHED]
         self.cfg = compose_config(*given)
         cfg = self.cfg
+        # plan.world_size=N: per-rank memory under trainer.parallel=fsdp, planned in this process:
+        # the activations of one rank's share of the minibatch (built with data.batch_size / N), the
+        # first rank's shards of the weights, gradients and state, and the weights gathered at once.
+        self.world_size = world_size
+        if world_size > 1:
+            if cfg.data.batch_size % world_size:
+                raise ConfigError(
+                    f"plan.world_size={world_size}: data.batch_size={cfg.data.batch_size} is the global minibatch "
+                    "and must be divisible by the number of ranks"
+                )
+            self.base.append(f"data.batch_size={cfg.data.batch_size // world_size}")
+            cfg = compose_config(*given, f"data.batch_size={cfg.data.batch_size // world_size}")
         self.densities = (cfg.sparsity.density,) if "sparsity.density" in self.fixed else DENSITIES
         self.precisions = (cfg.precision.name,) if "precision" in self.fixed else PRECISIONS
         # Per precision, the optim.state_bits searched: None (its own width), 8, 4, or the fixed value.
@@ -563,7 +580,9 @@ class Planner:
             model = trainer.unwrapped_model
             sparse = self._sparse_weights(trainer, density)
             block = self.cfg.optim.state_block_size
-            self._states[key] = account_state(model, trainer.optimizer, sparse, state_bits=bits, state_block_size=block)
+            self._states[key] = account_state(
+                model, trainer.optimizer, sparse, state_bits=bits, state_block_size=block, shards=self.world_size
+            )
         return self._states[key]
 
     def temporary_bytes(self, density: float, precision: str, microbatch: int | None) -> int:
@@ -574,10 +593,19 @@ class Planner:
             trainer = self._trainer_for(precision, None)
             model = trainer.unwrapped_model
             sparse = self._sparse_weights(trainer, density)
-            batch = self.cfg.data.batch_size
+            batch = self.cfg.data.batch_size // self.world_size
             microbatches = 1 if microbatch is None else -(-batch // microbatch)
             self._temporaries[key] = step_temporaries(model, sparse, microbatches).total
+            self._temporaries[key] += self.gathered_bytes(density, precision)
         return self._temporaries[key]
+
+    def gathered_bytes(self, density: float, precision: str) -> int:
+        """``plan.world_size`` above 1: the weights FSDP2 gathers at once at most, and their
+        gradients before the reduce-scatter (``lowmem.sharding.planned_gathered_bytes``); else 0."""
+        if self.world_size == 1:
+            return 0
+        trainer = self._trainer_for(precision, None)
+        return 2 * planned_gathered_bytes(trainer.unwrapped_model, self._sparse_weights(trainer, density))
 
     def _sparse_weights(self, trainer: Trainer, density: float) -> dict | None:
         """The sparse weights at ``density`` (name -> dense shape, active count), as DSR keeps them."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
@@ -115,6 +116,8 @@ class AllocationTracker(TorchDispatchMode):
 
     # --- bookkeeping ----------------------------------------------------------------------------
     def _add(self, tensor: torch.Tensor, category: str, recategorise: bool = False) -> None:
+        if isinstance(tensor, DTensor):  # sharded (FSDP2): this rank holds its local piece only
+            tensor = tensor._local_tensor
         if not self._on_device(tensor) or isinstance(tensor, FakeTensor):
             return
         key = storage_key(tensor)

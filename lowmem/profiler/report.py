@@ -103,6 +103,7 @@ class MemoryReport:
     compressed_bytes: int = 0  # of activation_saved_bytes, stored compressed (checkpointing.compress)
     offloaded_bytes: int = 0  # accounted: saved activations in host memory at most at once (checkpointing.offload)
     host_bytes: int = 0  # host memory held for offloaded activations (pinned pool after a real step, else accounted)
+    gathered_bytes: int = 0  # sharded (fsdp): the weights gathered whole at once at most (0: not sharded)
     seconds: dict[str, float] = field(default_factory=dict)  # time spent per measurement
 
     def to_json(self) -> dict:
@@ -141,6 +142,11 @@ class MemoryReport:
             + ", ".join(f"{name} {value / MB:.3f}" for name, value in self.step_temporaries.items())
             + f" MB) = {mb(self.budget_total_bytes).strip()}, the figure budgets are compared with",
             *([self._replay_line()] if self.graph_pool_bytes else []),
+            *(
+                [f"  sharded: this rank's shards above; weights gathered at once at most {mb(self.gathered_bytes)}"]
+                if self.gathered_bytes
+                else []
+            ),
             f"measured peak ({self.peak_source or 'not measured'})",
             f"  peak         {mb(self.peak_bytes)}   at {self.peak_location or 'n/a'}",
             *(f"    {name:<18}{mb(value)}" for name, value in self.peak_breakdown.items() if value),

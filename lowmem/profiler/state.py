@@ -110,6 +110,7 @@ def account_state(
     sparse: Mapping[str, tuple[Sequence[int], int]] | None = None,
     state_bits: int | None = None,
     state_block_size: int | None = None,
+    shards: int = 1,
 ) -> StateBytes:
     """Model and optimizer bytes of ``model`` trained with ``optimizer``.
 
@@ -123,6 +124,9 @@ def account_state(
         (the optimizer's ``state_bits``) is counted as ``quantized_state_bytes`` of the nonzeros.
     state_bits, state_block_size: count the optimizer's momentum buffers at this width instead of
         their own (the planner's what-if: ``optim.state_bits`` without building an optimizer).
+    shards: the bytes of the first of ``shards`` ranks that shard every tensor along dimension 0
+        (``trainer.parallel=fsdp``: ``ceil(rows / shards)`` rows of a dense tensor, of sparse values
+        ``ceil(nonzeros / shards)``; the positions, which every rank holds, whole).
     """
     sparse = dict(sparse or {})
     params = dict(model.named_parameters())
@@ -131,10 +135,12 @@ def account_state(
         raise KeyError(f"sparse weights that {type(model).__name__} does not have: {', '.join(unknown)}")
     model_bytes = optimizer_bytes = state_bytes = 0
     for name, param in params.items():
-        shape, nonzeros = sparse.get(name, (param.shape, param.numel()))
+        shape, active = sparse.get(name, (param.shape, param.numel()))
+        rows = param.shape[0] if name not in sparse and param.dim() else active
+        nonzeros = _first_shard(active, rows, shards) if shards > 1 else active
         model_bytes += nonzeros * param.element_size()
         if name in sparse:
-            model_bytes += csr_index_bytes(shape, nonzeros)
+            model_bytes += csr_index_bytes(shape, active)
         if not param.requires_grad:
             continue
         grad_size = param.grad.element_size() if param.grad is not None else param.element_size()
@@ -142,6 +148,11 @@ def account_state(
         optimizer_bytes += nonzeros * grad_size + held
         state_bytes += held
     return StateBytes(model_bytes, optimizer_bytes, state_bytes)
+
+
+def _first_shard(entries: int, rows: int, shards: int) -> int:
+    """Entries of the first of ``shards`` shards of a tensor of ``entries`` in ``rows`` rows."""
+    return -(-rows // shards) * (entries // rows) if rows else entries
 
 
 # Compact sparse positions as stored (``lowmem.techniques.compact``): an int16 column per active

@@ -48,6 +48,9 @@ ROW_FIELDS = {
     "step_temporaries": "`step_temporary_bytes` by cause.",
     "budget_total_bytes": "`total_with_graph_pool_bytes` + `step_temporary_bytes`: the figure `lowmem.plan` and "
     "`checkpointing.budget_mb` compare with a budget.",
+    "gathered_bytes": "`trainer.parallel=fsdp`: the weights FSDP2 gathers whole at once at most (the root's, held "
+    "from forward through backward, plus the largest block's); `model_bytes` and `optimizer_bytes` are then this "
+    "rank's shards. 0 when not sharded.",
     "peak_bytes": "The measured peak of one real training step on the device (CUDA: the allocator's "
     "`max_memory_allocated`, plus the graph pool's unused reserve; CPU: lowmem's tensor tracker); null with "
     "`profile.measure_peak=false`.",
@@ -73,6 +76,9 @@ def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> Me
     """Profile one minibatch of ``trainer``: ``batch``, by default its first (``example_batch``);
     ``measure=False`` skips the real step (no measured peak: the accounting and FLOPs only)."""
     batch = trainer.example_batch() if batch is None else batch
+    sharded = getattr(trainer, "sharded_report", None)
+    if sharded is not None:  # trainer.parallel=fsdp: the trainer knows what its rank holds
+        return sharded(measure, batch)
     trainer.model.train()
     # Each microbatch is handed to the accounting as inputs: it runs on fake CPU stand-ins of
     # them, so that a step on any device is accounted alike.

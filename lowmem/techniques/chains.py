@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -600,7 +601,13 @@ class _Runtime:
     def recompute(self, call: _BlockCall, x: torch.Tensor, context: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run ``call`` again as it ran in forward (RNG, autocast; BatchNorm statistics to scratch);
         its output tensors, checked against the forward's the first time for an input shape."""
-        with call.rng.replayed(), call.autocast.restore(), scratch_running_stats(call.block().modules()):
+        block = call.block()
+        if isinstance(block, FSDPModule):
+            # Sharded by FSDP2 (trainer.parallel=fsdp): the recomputation calls the block's own forward,
+            # past FSDP2's hooks, so its weights are gathered here (a no-op when FSDP2's pre-backward
+            # hook has; its post-backward hook frees them again).
+            block.unshard()
+        with call.rng.replayed(), call.autocast.restore(), scratch_running_stats(block.modules()):
             tensors = call.output_tensors(call.run(x, context))
         call.check_recomputation(tensors)
         return tensors

@@ -46,6 +46,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lowmem.residual import (
     plain_norm_relu_conv,
@@ -243,12 +244,19 @@ def run_segments(
                 x = run_sequentially(part, x, context)
             continue
         # Parameters are explicit inputs so their gradients are returned through autograd (hooks,
-        # DDP and torch.autograd.grad see them) instead of being accumulated behind its back.
+        # DDP and torch.autograd.grad see them) instead of being accumulated behind its back. Blocks
+        # sharded by FSDP2 are the exception: their parameters exist whole only while FSDP2 has
+        # gathered them (in each forward, the recomputation's too), and FSDP2 reduce-scatters the
+        # gradients accumulated in those gathered parameters from its own hooks, which run inside
+        # the recomputation's backward (``_SegmentBackprop.sharded``).
+        sharded = any(isinstance(block, FSDPModule) for block in part)
         params = [p for block in part for p in block.parameters() if p.requires_grad]
+        if sharded:  # a leaf standing for them, so that backward reaches the segment whatever its input
+            params = [torch.zeros((), device=x.device, requires_grad=True)] if params else []
         recursive = segment.backprop == "recursively"
         with compressed_saves(None):  # recomputation starts from the exact input
             x = _CheckpointedSegment.apply(
-                part, context, is_tensor, recursive, x, len(context_tensors), *context_tensors, *params
+                part, context, is_tensor, (recursive, sharded), x, len(context_tensors), *context_tensors, *params
             )
     return x
 
@@ -257,8 +265,8 @@ class _CheckpointedSegment(torch.autograd.Function):
     """Forward without storing the segment's activations; backward recomputes and backprops it."""
 
     @staticmethod
-    def forward(ctx, segment, context, is_tensor, recursive, x, num_context_tensors, *tensors):
-        ctx.segment, ctx.is_tensor, ctx.recursive = segment, is_tensor, recursive
+    def forward(ctx, segment, context, is_tensor, modes, x, num_context_tensors, *tensors):
+        ctx.segment, ctx.is_tensor, (ctx.recursive, ctx.sharded) = segment, is_tensor, modes
         ctx.skeleton = [None if t else item for t, item in zip(is_tensor, context, strict=True)]
         ctx.params = tensors[num_context_tensors:]
         ctx.rng, ctx.autocast = _RngState(x.device), _AutocastState.capture(x.device)
@@ -302,6 +310,7 @@ class _SegmentBackprop:
 
     def __init__(self, ctx, context: tuple, context_leaves: Sequence[torch.Tensor], needed: list[bool]) -> None:
         self.blocks, self.rng, self.triples = ctx.segment, ctx.rng, ctx.triples
+        self.sharded = ctx.sharded  # FSDP2 blocks: parameter gradients accumulate where FSDP2 reads them
         self.context = context
         self.outer = [*context_leaves, *ctx.params]
         self.outer_needed = needed[1:]
@@ -368,7 +377,10 @@ class _SegmentBackprop:
         wanted = ([block_input] if need_input else []) + [
             t for t, need in zip(self.outer, self.outer_needed, strict=True) if need
         ]
-        grads = list(torch.autograd.grad([edge], wanted, [grad], allow_unused=True)) if wanted else []
+        if self.sharded:
+            grads = _backward_into_gathered_parameters(edge, grad, wanted)
+        else:
+            grads = list(torch.autograd.grad([edge], wanted, [grad], allow_unused=True)) if wanted else []
         grad_input = grads.pop(0) if need_input else None
         if index > 0 and grad_input is None:  # a block that ignores its input
             grad_input = torch.zeros_like(block_input)
@@ -380,6 +392,20 @@ class _SegmentBackprop:
                     previous = self.accumulated[position]
                     self.accumulated[position] = value if previous is None else previous + value
         return grad_input
+
+
+def _backward_into_gathered_parameters(edge, grad: torch.Tensor, wanted: list[torch.Tensor]) -> list:
+    """Backprop a block of FSDP2-sharded blocks from its output's gradient ``edge``: the gradients of
+    its parameters accumulate in the gathered parameters' ``.grad``, from which FSDP2's hooks (run
+    during this backward) reduce-scatter them; those of ``wanted`` (fresh leaves: the block's input
+    and the context, made for this recomputation) are returned."""
+    for leaf in wanted:
+        leaf.grad = None
+    torch.autograd.backward([edge], [grad])
+    grads = [leaf.grad for leaf in wanted]
+    for leaf in wanted:
+        leaf.grad = None
+    return grads
 
 
 def _branch_ends_with_norm_relu_conv(block: nn.Module) -> bool:

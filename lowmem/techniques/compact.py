@@ -35,6 +35,14 @@ modify in place — and a bare 2-D parameter that the model applies with ``linea
 (a decoder's output projection, say). A weight tied between modules stays tied: one values
 parameter and one set of positions, held by every module that used the dense weight.
 
+**Sharded training** (``trainer.parallel=fsdp``; ``CompactWeights.share_values``): the values of all
+layers become one parameter of the model, ``lowmem_compact_values`` (the flat buffer itself, whose
+size never changes), which FSDP2 shards like any parameter; the layers' ``<name>_values`` are then
+views of it that the model's forward binds once FSDP2 has gathered it (and backward accumulates
+their gradients into the gathered buffer's, which FSDP2 reduce-scatters). Positions stay whole on
+every rank. A rewiring gathers the values (``CompactWeights.gathered``), decides on every rank
+alike and each rank keeps its rows of the new layout.
+
 The state-dict keys change (``conv.weight`` becomes ``conv.weight_values`` + ``conv.weight_columns``
 + ``conv.weight_row_starts``); ``dense_state_dict`` gives the plain form. A state dict of the former
 layout (int32 flat ``<name>_positions``) still loads: it is converted on load.
@@ -54,11 +62,13 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lowmem.kernels import cpu as cpu_kernels
+from lowmem.techniques.shards import full, write_full
 
 _VALUES, _COLUMNS, _ROW_STARTS = "_values", "_columns", "_row_starts"
 _INDEX = (_COLUMNS, _ROW_STARTS)  # the buffers that say where the values are
 _FLAT_POSITIONS = "_positions"  # the former layout's int32 flat positions (converted on load)
 _SHAPES = "_compact_shapes"  # module attribute: {weight attribute: dense shape}
+SHARED_VALUES = "lowmem_compact_values"  # sharded training: the model's parameter holding every compact value
 
 ROW = 1 << 15  # entries per row of a flattened weight: every column index fits in int16
 # Active entries whose flat positions are built at once: ``densify``'s int64 indices (1 MiB, and
@@ -509,6 +519,7 @@ class CompactWeights:
         rows = sum(row_count(dense[name].numel()) + 1 for name in self.names)
         self.row_starts = torch.empty(rows, dtype=torch.int64, device=device)
         self.counts = [0] * len(self.names)
+        self.shared: nn.Module | None = None  # sharded training: the model holding every value (SHARED_VALUES)
         with torch.no_grad():
             layers = {name: (positions[name], dense[name].flatten()[positions[name]]) for name in self.names}
             for name, (module, attr) in self._owners.items():
@@ -519,8 +530,11 @@ class CompactWeights:
 
     # ------------------------------------------------------------------------------------ layers
     def values_of(self, name: str) -> nn.Parameter:
-        """The values parameter of weight ``name`` (a view into ``values``)."""
+        """The values parameter of weight ``name`` (a view into ``values``; shared values: a view of
+        the gathered values, inside ``gathered()`` only)."""
         module, attr = self._owners[name]
+        if self.shared is not None and self.values is None:
+            raise RuntimeError(f"compact weight {name}: its values are sharded; read them inside gathered()")
         return _values(module, attr)
 
     def positions(self, name: str) -> torch.Tensor:
@@ -540,7 +554,8 @@ class CompactWeights:
         return self._owners[name]
 
     def dense(self, name: str) -> torch.Tensor:
-        """Weight ``name`` as a new dense tensor."""
+        """Weight ``name`` as a new dense tensor (shared values: inside ``gathered()`` only)."""
+        self.values_of(name)
         module, attr = self._owners[name]
         return dense_weight(module, attr)
 
@@ -555,8 +570,65 @@ class CompactWeights:
         """Store new (flat positions, values) for every weight, positions strictly increasing, their
         total at most the capacity; the layers' views move to their new places inside the same
         buffers (unused capacity, only when a rewiring could not regrow all it pruned, holds zeros)."""
+        if self.shared is not None:
+            with self.gathered():
+                self._store(layers)
+            return
         self._follow_the_model()
         self._store(layers)
+
+    # ------------------------------------------------------------------------- sharded training
+    def share_values(self, model: nn.Module) -> None:
+        """Make the values of every layer one parameter of ``model``, ``SHARED_VALUES`` (a parameter,
+        not a submodule, which a container model would run), for FSDP2 to shard: the flat buffer,
+        whose size a rewiring never changes. The layers' ``<name>_values`` stop being parameters;
+        ``model``'s forward binds them as views of the parameter FSDP2 has gathered (FSDP2's hook,
+        which gathers, runs before any other)."""
+        self._follow_the_model()
+        requires_grad = any(self.values_of(name).requires_grad for name in self.names)
+        for name in self.names:
+            for place, attr in self._places(name):
+                del place._parameters[attr + _VALUES]
+        model.register_parameter(SHARED_VALUES, nn.Parameter(self.values, requires_grad=requires_grad))
+        self.shared, self.values = model, None
+        model.register_forward_pre_hook(lambda module, args: self._bind(self.shared_values))
+
+    @property
+    def shared_values(self) -> nn.Parameter:
+        """Shared values: the parameter as the model holds it now (sharded, or gathered by FSDP2)."""
+        return getattr(self.shared, SHARED_VALUES)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Shared values: inside, ``values`` holds every value on every rank (gathered: a collective,
+        entered on every rank) and the layers' values are views of it; what is written there is
+        kept (each rank copies back the rows it holds). Re-entrant; without shared values, nothing."""
+        if self.shared is None or self.values is not None:
+            yield
+            return
+        self.values = full(self.shared_values.detach()).clone()
+        self._bind(self.values)
+        try:
+            yield
+            write_full(self.shared_values, self.values)
+        finally:
+            for name in self.names:
+                for place, attr in self._places(name):
+                    place.__dict__.pop(attr + _VALUES, None)
+            self.values = None
+
+    def _places(self, name: str) -> list[tuple[nn.Module, str]]:
+        """(module, attribute) of every place holding weight ``name`` (tied places included)."""
+        return [self._owners[name]] + [(module, attr) for _, module, attr in self._tied[name]]
+
+    def _bind(self, flat: torch.Tensor) -> None:
+        """Shared values: each layer's ``<name>_values`` becomes its view of ``flat`` (every value)."""
+        start = 0
+        for name, count in zip(self.names, self.counts, strict=True):
+            view = flat[start : start + count]
+            for place, attr in self._places(name):
+                place.__dict__[attr + _VALUES] = view
+            start += count
 
     def _store(self, layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         total = sum(positions.numel() for positions, _ in layers.values())
@@ -574,13 +646,16 @@ class CompactWeights:
         for index, (name, (_, row_starts)) in enumerate(zip(self.names, encoded, strict=True)):
             count, rows = layers[name][0].numel(), row_starts.numel()
             module, attr = self._owners[name]
-            getattr(module, attr + _VALUES).data = self.values[start : start + count]  # tied places share it
+            if self.shared is None:
+                getattr(module, attr + _VALUES).data = self.values[start : start + count]  # tied places share it
             columns, row_starts = self.columns[start : start + count], self.row_starts[row : row + rows]
             for place, place_attr in [(module, attr)] + [(m, a) for _, m, a in self._tied[name]]:
                 place._buffers[place_attr + _COLUMNS], place._buffers[place_attr + _ROW_STARTS] = columns, row_starts
             self.counts[index] = count
             start += count
             row += rows
+        if self.shared is not None:
+            self._bind(self.values)
 
     def _follow_the_model(self) -> None:
         """If the model was cast or moved since (``model.to(...)`` gives every parameter and buffer

@@ -30,6 +30,13 @@ Adam's moments are held blockwise quantized (``lowmem.kernels.quantized``; the m
 and ``<name>_scales`` (FP32, one per block of ``block_size`` values) — ``momentum``, ``exp_avg``,
 ``exp_avg_sq``. Such state is not shaped like its parameter, so the sparsity technique resets and
 moves it through ``reset_state`` / ``remap_state``, which re-quantize the blocks they touch.
+
+**Sharded parameters** (``trainer.parallel=fsdp``: FSDP2's ``DTensor``s, each rank holding some rows):
+the state is created like the parameter (a sharded ``DTensor`` too, which sharded checkpoints save and
+load across numbers of ranks), and a step updates each rank's local pieces of parameters, gradients
+and state as plain tensors (``lowmem.techniques.shards.local``): the same per-element arithmetic, so
+FP32/FP64 updates equal the unsharded ones bit for bit. Quantized state is held per local piece: its
+blocks lie within each rank's rows. Adam's per-tensor FP16 moment scales become per-piece scales.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from lowmem import kernels
 from lowmem.kernels import quantized
 from lowmem.kernels.quantized import QState
 from lowmem.kernels.reference import SLICE, adam_step_size, tensor_keys
+from lowmem.techniques.shards import full, gather_like, local, local_rows, moved_entries, write_full
 
 STATE_SEED_SALT = 0x2545F491  # quantized state's rounding keys: tensor_keys(seed ^ this, step, ...)
 
@@ -107,7 +115,8 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
                 f"{self.state_bits}-bit optimizer state needs FP32, FP16 or BF16 weights, not {param.dtype}"
             )
         for name, signed in names:
-            codes, scales = quantized.zeros(param.numel(), self.state_bits, self.block_size, signed, param.device)
+            numel = local(param).numel()  # sharded: the blocks of this rank's rows
+            codes, scales = quantized.zeros(numel, self.state_bits, self.block_size, signed, param.device)
             self.state[param][f"{name}_codes"], self.state[param][f"{name}_scales"] = codes, scales
 
     def _qstate(self, param: torch.Tensor, name: str) -> QState:
@@ -169,11 +178,29 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
                 moved, self.state_bits, self.block_size, signed
             )
 
+    @torch.no_grad()
+    def remap_shared_state(self, param: torch.Tensor, source: torch.Tensor) -> None:
+        """Compact sparsity's rewiring of shared (sharded) values: the state's entry i becomes the old
+        entry ``source[i]`` (zero where -1). Sharded state is gathered, moved alike on every rank and
+        each rank keeps its rows; quantized state is read back, gathered, moved and quantized anew in
+        this rank's blocks."""
+        state = self.state.get(param, {})
+        for key in self._shaped_like(param):
+            write_full(state[key], moved_entries(full(state[key]), source))
+        numel = local(param).numel()
+        for name, signed in self._moments_of(param):
+            piece = quantized.read(self._qstate(param, name), numel, self.state_bits, self.block_size, signed)
+            moved = moved_entries(gather_like(piece, param), source)
+            mine = local_rows(moved, param)
+            state[f"{name}_codes"], state[f"{name}_scales"] = quantized.quantize(
+                mine, self.state_bits, self.block_size, signed
+            )
+
     def _by_dtype(self, group: dict[str, Any]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-        """The group's parameters that have a gradient, by (device, dtype)."""
+        """The group's parameters that have a gradient (sharded: and rows on this rank), by (device, dtype)."""
         split: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for param in group["params"]:
-            if param.grad is not None:
+            if param.grad is not None and local(param).numel() > 0:
                 split.setdefault((param.device, param.dtype), []).append(param)
         return split
 
@@ -271,20 +298,20 @@ class LowPrecisionSGD(_LowPrecisionOptimizer):
         self.rounding_step += 1
         for group in self.param_groups:
             lr, momentum, nesterov, decay = group["lr"], group["momentum"], group["nesterov"], group["weight_decay"]
-            for (_, dtype), params in self._by_dtype(group).items():
-                grads = [p.grad for p in params]
+            for (_, dtype), sharded in self._by_dtype(group).items():
+                params, grads = [local(p) for p in sharded], [local(p.grad) for p in sharded]
                 if self.state_bits is not None and momentum != 0:
                     kernels.sgd_quantized(
-                        params, grads, [self._qstate(p, "momentum") for p in params],
-                        self._keys(params) if dtype in _SIXTEEN_BIT else None, self._state_keys(params),
+                        params, grads, [self._qstate(p, "momentum") for p in sharded],
+                        self._keys(sharded) if dtype in _SIXTEEN_BIT else None, self._state_keys(sharded),
                         bits=self.state_bits,
                         block_size=self.block_size, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=decay,
                         grad_scale=grad_scale,
                     )
                     continue
-                momenta = [self.state[p]["momentum_buffer"] for p in params] if momentum != 0 else []
+                momenta = [local(self.state[p]["momentum_buffer"]) for p in sharded] if momentum != 0 else []
                 if dtype in _SIXTEEN_BIT:
-                    kernels.sgd(params, grads, momenta, self._keys(params), lr=lr, momentum=momentum,
+                    kernels.sgd(params, grads, momenta, self._keys(sharded), lr=lr, momentum=momentum,
                                 nesterov=nesterov, weight_decay=decay, grad_scale=grad_scale)
                     continue
                 # FP32/FP64: torch.optim.SGD's arithmetic, in place in the gradients.
@@ -356,26 +383,27 @@ class LowPrecisionAdam(_LowPrecisionOptimizer):
         for group in self.param_groups:
             (beta1, beta2), lr, eps, weight_decay = group["betas"], group["lr"], group["eps"], group["weight_decay"]
             decay = 1 - lr * weight_decay if weight_decay != 0 else None
-            for (_, dtype), params in self._by_dtype(group).items():
-                states = [self.state[p] for p in params]
+            for (_, dtype), sharded in self._by_dtype(group).items():
+                states = [self.state[p] for p in sharded]
                 for state in states:
                     state["step"] += 1
                 step_sizes = [adam_step_size(lr, beta1, beta2, state["step"]) for state in states]
-                grads = [p.grad for p in params]
+                params, grads = [local(p) for p in sharded], [local(p.grad) for p in sharded]
                 if self.state_bits is not None:
                     kernels.adam_quantized(
-                        params, grads, [self._qstate(p, "exp_avg") for p in params],
-                        [self._qstate(p, "exp_avg_sq") for p in params], step_sizes,
-                        self._keys(params) if dtype in _SIXTEEN_BIT else None, self._state_keys(params),
+                        params, grads, [self._qstate(p, "exp_avg") for p in sharded],
+                        [self._qstate(p, "exp_avg_sq") for p in sharded], step_sizes,
+                        self._keys(sharded) if dtype in _SIXTEEN_BIT else None, self._state_keys(sharded),
                         bits=self.state_bits,
                         block_size=self.block_size, beta1=beta1, beta2=beta2, eps=eps, decay=decay,
                         grad_scale=grad_scale,
                     )
                     continue
-                exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+                exp_avgs = [local(s["exp_avg"]) for s in states]
+                exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
                 if dtype in _SIXTEEN_BIT:
                     scales = [(s["exp_avg_log2_scale"], s["exp_avg_sq_log2_scale"]) for s in states]
-                    kernels.adam(params, grads, exp_avgs, exp_avg_sqs, scales, step_sizes, self._keys(params),
+                    kernels.adam(params, grads, exp_avgs, exp_avg_sqs, scales, step_sizes, self._keys(sharded),
                                  beta1=beta1, beta2=beta2, eps=eps, decay=decay, grad_scale=grad_scale)
                     continue
                 # FP32/FP64: in place; the gradients end up holding the denominators.

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowmem.techniques.cpu_compute import check_setting
+from lowmem.techniques.shards import local
 
 PRECISIONS = ("fp32", "fp16", "bf16", "amp", "fp64")
 
@@ -286,7 +287,8 @@ def has_nonfinite_grad(params: Iterable[torch.Tensor]) -> bool:
     The per-tensor max |g| (an inf-norm, never overflowing for finite values) is inf or NaN exactly
     when the tensor holds one.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    # Sharded gradients: this rank's rows (the caller combines the ranks' answers).
+    grads = [local(p.grad) for p in params if p.grad is not None and local(p.grad).numel() > 0]
     if not grads:
         return False
     max_abs = torch._foreach_norm(grads, math.inf)

@@ -564,7 +564,7 @@ def make_microbatch_runner(
         return eager
     refusal = None
     if data_parallel:
-        refusal = "data parallel training (DDP's deferred all-reduce is not captured)"
+        refusal = "data parallel training (DDP's deferred all-reduce and FSDP2's gathers are not captured)"
     elif not isinstance(eager.scaler, LossScaler):
         refusal = "precision=amp (torch's GradScaler)"
     if refusal is not None:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lowmem.techniques.compact import CompactWeights
+from lowmem.techniques.shards import full, moved_entries, write_full
 
 # How sparse weights are stored (see DynamicSparsity) and how they are initialised.
 STORAGES = ("compact", "masked")
@@ -178,6 +179,21 @@ def remap_optimizer_state(
             moved = value.new_zeros(size)
             moved[kept_to] = value[kept_from]
             state[key] = moved
+
+
+def remap_shared_optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, source: torch.Tensor) -> None:
+    """Compact storage's rewiring of shared values (sharded training): every state tensor of ``param``
+    shaped like it becomes, entry i, the old entry ``source[i]`` (zero where ``source`` is -1: the
+    regrown). Sharded state is gathered, moved on every rank alike, and each rank keeps its rows.
+
+    An optimizer with state of another shape (8- and 4-bit state) moves it itself:
+    ``optimizer.remap_shared_state(param, source)``."""
+    if hasattr(optimizer, "remap_shared_state"):
+        optimizer.remap_shared_state(param, source)
+        return
+    for value in optimizer.state.get(param, {}).values():
+        if isinstance(value, torch.Tensor) and value.shape == param.shape:
+            write_full(value, moved_entries(full(value), source))
 
 
 class DynamicSparsity:
@@ -351,7 +367,17 @@ class DynamicSparsity:
 
         Returns ``{"rewire_step", "pruned" (K), "regrown", "target" (N_p), "threshold" (H used),
         "next_threshold", "density", "layer_density"}``.
+
+        Compact values sharded across ranks (``CompactWeights.share_values``): every rank gathers
+        every value, takes the same decisions from the same generator, and keeps its rows of the new
+        layout (the optimizer state is moved likewise): the masks of one process, on every rank.
         """
+        if self.compact is not None:
+            with self.compact.gathered():
+                return self._rewire(optimizer)
+        return self._rewire(optimizer)
+
+    def _rewire(self, optimizer: torch.optim.Optimizer | None) -> dict:
         # The active values per weight, in increasing order of flat position (their positions are
         # built per weight where needed, not for all weights at once).
         actives = [self._active_values(name) for name in self._names]
@@ -415,17 +441,34 @@ class DynamicSparsity:
 
     def _commit_compact(self, actives, keep, regrown, optimizer) -> None:
         layers = {}
+        shared = self.compact.shared is not None
+        # Shared values: where each entry of the new flat layout comes from in the old (-1: regrown).
+        sources, old_start = [], 0
         for name, values, kept, new in zip(self._names, actives, keep, regrown, strict=True):
             kept_from = kept.nonzero().squeeze(1)
             merged, order = torch.cat([self.compact.positions(name)[kept_from], new.long()]).sort()
             # Held for every weight until the relayout: int32 where the weight allows.
             narrow = merged.int() if math.prod(self._shapes[name]) <= torch.iinfo(torch.int32).max else merged
             layers[name] = (narrow, torch.cat([values[kept_from], values.new_zeros(len(new))])[order])
-            if optimizer is not None:
+            if shared:
+                source = torch.full_like(order, -1)
+                is_kept = order < len(kept_from)
+                source[is_kept] = old_start + kept_from[order[is_kept]]
+                sources.append(source)
+                old_start += len(values)
+            elif optimizer is not None:
                 where = torch.empty_like(order)
                 where[order] = torch.arange(len(order), device=order.device)
                 param = self.compact.values_of(name)
                 remap_optimizer_state(optimizer, param, kept_from, where[: len(kept_from)], len(order))
+        if shared:
+            unused = self.compact.capacity - sum(len(source) for source in sources)
+            source = torch.cat([*sources, sources[0].new_full((unused,), -1)])
+            if optimizer is not None:
+                remap_shared_optimizer_state(optimizer, self.compact.shared_values, source)
+            self.compact.shared_values.grad = None  # the step's gradient belongs to the old layout
+            self.compact.relayout(layers)
+            return
         self.compact.relayout(layers)
         for name in self._names:  # the step's gradients belong to the old layout
             self.compact.values_of(name).grad = None
@@ -473,12 +516,13 @@ class DynamicSparsity:
             counts = [int(saved[name]) for name in self._names]
             if counts != self.compact.counts:  # placeholders of the saved sizes, filled by the model's load
                 positions = self.compact.columns.new_zeros((), dtype=torch.int32)
-                self.compact.relayout(
-                    {
-                        name: (positions.expand(count), self.compact.values.new_zeros(count))
-                        for name, count in zip(self._names, counts, strict=True)
-                    }
-                )
+                with self.compact.gathered():  # shared (sharded) values: every value, on every rank
+                    self.compact.relayout(
+                        {
+                            name: (positions.expand(count), self.compact.values.new_zeros(count))
+                            for name, count in zip(self._names, counts, strict=True)
+                        }
+                    )
         else:
             for name in self._names:
                 mask = saved[name]

@@ -1,0 +1,459 @@
+"""Sharded data parallelism (``trainer.parallel=fsdp``): PyTorch FSDP2's ``fully_shard`` over a model
+that lowmem's techniques have already transformed.
+
+Each rank holds 1/N of every weight, gradient and optimizer state tensor (FSDP2 shards each along
+dimension 0); a block's weights are gathered whole for its forward and its backward only. What is
+sharded, and in what order (the order of ``shard_model``):
+
+1. weights in another dtype than the rest (pure FP16/BF16 keeps normalization layers in FP32, and
+   FSDP2 gathers one dtype per unit) stay whole on every rank, their gradients averaged after
+   backward (a few KB: BatchNorm's scales and shifts);
+2. the blocks checkpointing runs (a model's residual blocks, or the chains of blocks found in any
+   model / named by ``checkpointing.blocks``): one unit each. Checkpointing is applied before, as
+   torchtitan does: a checkpointed block recomputed in backward is gathered again by FSDP2's own
+   hooks, and its gradients reduce-scattered from them (``lowmem.techniques.checkpointing``);
+3. the root, holding the rest: the stem, the head and compact sparse values. Compact values of all
+   layers are one flat parameter (``CompactWeights.share_values``) whose size never changes, so a
+   rewiring (which moves entries between layers) never changes what FSDP2 shards: every rank
+   gathers the values, takes the one-process decisions from the same seeded generator, and keeps
+   its rows of the new layout. Positions (int16 columns, row starts) are not sharded: every rank
+   holds them, identical.
+
+Gradients: FSDP2 reduce-scatters (averages) them across ranks; the trainer weights each rank's loss
+as for DDP, so the result is the global minibatch's mean. The optimizers update each rank's local
+rows (``lowmem.techniques.shards``). A run in one process with ``fsdp`` is a shard of 1 (a process
+group of one rank): what resumes a sharded checkpoint on one rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from lowmem.profiler.peak import PeakMeasurement
+from lowmem.profiler.report import MemoryReport
+from lowmem.profiler.state import _state_entry_bytes, csr_index_bytes
+from lowmem.residual import residual_stacks
+from lowmem.techniques.chains import find_block_chains, installed_runners
+from lowmem.techniques.compact import SHARED_VALUES, compact_modules, compact_state_dict_keys, dense_weight
+from lowmem.techniques.shards import full, local, write_full
+from lowmem.techniques.shards import is_sharded as is_sharded_tensor
+from lowmem.techniques.sparsity import DynamicSparsity
+
+log = logging.getLogger("lowmem")
+REDUCE_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def join_single_process_group(device: torch.device) -> None:
+    """A process group of one rank, for ``fsdp`` without torchrun (FSDP2 needs a group)."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def sharded_blocks(model: nn.Module, names: Sequence[str] = ()) -> list[nn.Module]:
+    """The blocks that become FSDP2 units: the model's residual blocks, the chains checkpointing
+    installed, or those found (or named by ``checkpointing.blocks``); none if nothing is found."""
+    stacks = residual_stacks(model)
+    if stacks and not names:
+        return [block for stack in stacks for block in stack.residual_blocks]
+    runners = installed_runners(model)
+    if runners:
+        return [block for runner in runners for block in runner.blocks]
+    try:
+        return [block for chain in find_block_chains(model, names) for block in chain.blocks]
+    except ValueError:
+        return []
+
+
+def shard_model(
+    model: nn.Module,
+    device: torch.device,
+    *,
+    param_dtype: torch.dtype,
+    blocks: Sequence[str] = (),
+    reshard_after_forward: bool = True,
+    reduce_dtype: str | None = None,
+    sparsity: DynamicSparsity | None = None,
+) -> nn.Module:
+    """``fully_shard`` ``model`` (in place; it is returned) over every rank of the default process
+    group, in the order of the module docstring. ``param_dtype``: the dtype of the weights outside
+    the normalization layers; ``reduce_dtype``: ``precision.reduce_dtype``."""
+    join_single_process_group(device)
+    if sparsity is not None and sparsity.compact is not None:
+        sparsity.compact.share_values(model)
+    policy = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES.get(reduce_dtype) if reduce_dtype else None)
+    # 1. Weights in another dtype than the rest (pure FP16/BF16 keeps normalization layers in FP32,
+    #    and FSDP2 gathers one dtype per unit) are not sharded: every rank holds them (a few KB), and
+    #    their gradients are averaged across ranks after backward (``average_replicated_gradients``).
+    #    Units of their own would not do: checkpointing's no_bn recomputation reads a BatchNorm's
+    #    weights without calling the module, past FSDP2's hooks.
+    replicated = [p for p in model.parameters() if p.dtype != param_dtype]
+    options = {"mp_policy": policy, "ignored_params": set(replicated)}
+    object.__setattr__(model, _REPLICATED, replicated)
+    units = sharded_blocks(model, blocks)
+    # 2. The blocks, each its own unit; 3. the root (FSDP2 keeps its weights gathered from forward
+    #    to backward, which begins with them).
+    for block in units:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(model, **options)
+    log.info(
+        "fsdp: %d ranks, %d blocks sharded, then the root (%d tensors of another dtype replicated)%s",
+        dist.get_world_size(),
+        len(units),
+        len(replicated),
+        "; compact sparse values as one sharded parameter" if sparsity is not None and sparsity.compact else "",
+    )
+    return model
+
+
+_REPLICATED = "_lowmem_replicated"  # model attribute: the parameters FSDP2 leaves whole on every rank
+
+
+@torch.no_grad()
+def average_replicated_gradients(model: nn.Module) -> None:
+    """Average the gradients of the parameters left unsharded (``shard_model``) across the ranks,
+    as FSDP2's reduce-scatter averages the others: one all-reduce."""
+    grads = [p.grad for p in getattr(model, _REPLICATED, []) if p.grad is not None]
+    if not grads or dist.get_world_size() == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def set_gradient_sync(model: nn.Module, sync: bool) -> None:
+    """Whether the next backward reduce-scatters the gradients (``trainer.gradient_sync=minibatch``
+    turns it off for all but a minibatch's last microbatch)."""
+    model.set_requires_gradient_sync(sync)
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, sparsity: DynamicSparsity | None) -> dict[str, torch.Tensor]:
+    """The model's plain state dict, whole, with the model's own keys (compact weights dense, as one
+    process's ``dense_state_dict``), as CPU tensors: a collective, to call on every rank."""
+    compact = sparsity.compact if sparsity is not None else None
+    with compact.gathered() if compact is not None else contextlib.nullcontext():
+        state = {}
+        dense = {
+            (f"{prefix}.{attr}" if prefix else attr): dense_weight(module, attr)
+            for prefix, module, attr in compact_modules(model)
+        }
+        with compact_state_dict_keys():
+            items = model.state_dict().items()
+        for key, value in items:
+            if key == SHARED_VALUES:
+                continue
+            weight = key.removesuffix("_columns")
+            if weight in dense:  # a compact weight, dense, in place of its positions
+                state[weight] = dense[weight].detach().cpu()
+                continue
+            if key.endswith("_row_starts") and key.removesuffix("_row_starts") in dense:
+                continue
+            state[key] = full(value).detach().to("cpu", copy=True)
+    return state
+
+
+# --- sharded checkpoints (torch.distributed.checkpoint) ------------------------------------------
+
+SHARDS_PREFIX = "checkpoint.shards."  # + the step: the directory of a checkpoint's sharded tensors
+
+
+def shards_directory(run_dir: Path, step: int) -> Path:
+    return run_dir / f"{SHARDS_PREFIX}{step:09d}"
+
+
+def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Write the model's and the optimizer's state to the directory ``path`` with
+    ``torch.distributed.checkpoint``: each rank writes its own rows of every sharded tensor (nothing
+    is gathered), tensors every rank holds alike once. A collective: call it on every rank. A
+    checkpoint written by N ranks loads on any number (``load_shards``), except optimizer state kept
+    per rank (8/4-bit codes and scales, FP16 Adam's moment scales), which needs N again."""
+    dcp.save({"model": _model_state(model), "optimizer": _optimizer_state(optimizer)}, checkpoint_id=str(path))
+
+
+def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Load ``save_shards``'s directory ``path`` into the sharded ``model`` and ``optimizer`` in place,
+    each rank reading its rows (of any number of ranks' checkpoint). Raises RuntimeError when state
+    kept per rank was written by another number of ranks."""
+    state = {"model": _model_state(model), "optimizer": _optimizer_state(optimizer)}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except (CheckpointException, RuntimeError) as error:  # a missing key: every rank's trace in one message
+        if _PER_RANK in str(error):
+            raise RuntimeError(
+                f"{path} holds optimizer state kept per rank (8/4-bit state, or FP16 Adam's moment scales) by "
+                f"another number of ranks than this run's {dist.get_world_size()}: resume on that number"
+            ) from None
+        raise
+    saved = state["optimizer"]
+    for group, loaded in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+        group.update({key: value for key, value in loaded.items() if key != "params"})
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, param in enumerate(params):
+        for key, value in saved["state"].get(str(index), {}).items():
+            if not isinstance(value, torch.Tensor):  # step counts: loaded values replace them
+                optimizer.state[param][key] = value
+    optimizer.rounding_step = int(saved.get("rounding_step", 0))
+
+
+_PER_RANK = "@rank"  # key suffix of optimizer state each rank keeps for its own rows only
+
+
+def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    with compact_state_dict_keys():  # compact values and positions as they are
+        return model.state_dict()
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` (its tensors the live ones) with plain tensors, which only this rank
+    holds as they are, under per-rank keys; sharded tensors keep theirs."""
+    state = optimizer.state_dict()
+    rank = dist.get_rank()
+    state["state"] = {
+        str(index): {
+            (
+                key if is_sharded_tensor(value) or not isinstance(value, torch.Tensor) else f"{key}{_PER_RANK}{rank}"
+            ): value
+            for key, value in entries.items()
+        }
+        for index, entries in state["state"].items()
+    }
+    return state
+
+
+def whole(state: Any) -> Any:
+    """``state`` (a state dict, nested) with every sharded tensor gathered whole, as a CPU tensor (a
+    collective: call it on every rank, with states of the same structure). Other tensors that
+    differ between ranks (8/4-bit optimizer state: codes and scales per local piece; FP16 Adam's
+    per-piece moment scales) become ``{"per_rank": [one per rank]}``: such a checkpoint resumes on
+    the same number of ranks only."""
+    if isinstance(state, dict):
+        return {key: whole(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(whole(value) for value in state)
+    if is_sharded_tensor(state):
+        return full(state).detach().to("cpu", copy=True)
+    if isinstance(state, torch.Tensor) and dist.get_world_size() > 1:
+        pieces: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(pieces, state.detach().cpu())
+        if all(piece.shape == pieces[0].shape and torch.equal(piece, pieces[0]) for piece in pieces):
+            return pieces[0]
+        return {PER_RANK: pieces}
+    return state
+
+
+PER_RANK = "per_rank"
+
+
+def _restore(live: torch.Tensor, saved: Any, name: str) -> None:
+    """Copy ``saved`` (whole, or one per rank) into ``live`` (sharded or not): this rank's part."""
+    if isinstance(saved, dict) and PER_RANK in saved:
+        pieces = saved[PER_RANK]
+        if len(pieces) != dist.get_world_size():
+            raise RuntimeError(
+                f"{name} was saved per rank by {len(pieces)} ranks (8/4-bit optimizer state, or FP16 Adam's "
+                f"moment scales); it resumes on {len(pieces)} ranks only, not {dist.get_world_size()}"
+            )
+        saved = pieces[dist.get_rank()]
+        if saved.shape != live.shape:
+            raise RuntimeError(f"{name}: saved {tuple(saved.shape)}, this run holds {tuple(live.shape)}")
+        live.copy_(saved)
+        return
+    if tuple(saved.shape) != tuple(live.shape):
+        raise RuntimeError(f"{name}: saved {tuple(saved.shape)}, this run has {tuple(live.shape)}")
+    write_full(live, saved.to(device=live.device, dtype=live.dtype))
+
+
+@torch.no_grad()
+def load_whole_model_state(model: nn.Module, state: dict[str, Any]) -> None:
+    """Load a state dict of ``whole`` tensors into the sharded ``model``: each rank keeps its rows.
+    Raises KeyError naming keys the model and the state do not share."""
+    with compact_state_dict_keys():
+        live = model.state_dict()
+    if live.keys() != state.keys():
+        missing, unexpected = sorted(live.keys() - state.keys()), sorted(state.keys() - live.keys())
+        raise KeyError(f"model state: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for key, tensor in live.items():
+        _restore(tensor, state[key], key)
+
+
+@torch.no_grad()
+def load_whole_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load an optimizer state dict of ``whole`` tensors (``whole(optimizer.state_dict())``) into an
+    optimizer over sharded parameters: hyperparameters as saved, each state tensor's rows in place."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved_groups = state["param_groups"]
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise KeyError("optimizer state: its parameter groups differ from this run's")
+    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+        group.update({key: value for key, value in saved.items() if key != "params"})
+    ids = [i for group in saved_groups for i in group["params"]]
+    for index, param in zip(ids, params, strict=True):
+        for key, value in state["state"].get(index, {}).items():
+            live = optimizer.state[param].get(key)
+            if isinstance(live, torch.Tensor):
+                _restore(live, value, f"optimizer state {key} of parameter {index}")
+            else:
+                optimizer.state[param][key] = value
+    if "rounding_step" in state:
+        optimizer.rounding_step = int(state["rounding_step"])
+
+
+# --- BatchNorm running statistics: those of one process ----------------------------------------
+
+
+class RunningStatistics:
+    """Makes every rank's BatchNorm running statistics, after each step, those one process would
+    have after the same minibatch, whose examples it runs in rank order.
+
+    One update with momentum m is r <- (1 - m) r + m s, so after the n updates of rank k starting
+    from r0 a rank holds R_k = (1 - m)^n_k r0 + D_k, and one process running the ranks' updates in
+    order ends at (1 - m)^N r0 + sum_k (1 - m)^(updates after rank k's) D_k: one all-reduce of
+    the scaled D_k. Updates are counted by ``num_batches_tracked``, so recomputation (which restores
+    the statistics) and simulated microbatching (one update per group) count right. BatchNorm with
+    ``momentum=None`` (a cumulative average) keeps per-rank statistics.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.norms = [
+            m
+            for m in model.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.momentum is not None
+        ]
+        self.start: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+    def before_step(self) -> None:
+        self.start = [(m.running_mean.clone(), m.running_var.clone(), int(m.num_batches_tracked)) for m in self.norms]
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        if not self.norms or dist.get_world_size() == 1:
+            return
+        counts = torch.tensor(
+            [int(m.num_batches_tracked) - n for m, (_, _, n) in zip(self.norms, self.start, strict=True)]
+        )
+        every = [torch.zeros_like(counts) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, counts)
+        rank = dist.get_rank()
+        after = sum(every[rank + 1 :], torch.zeros_like(counts)).tolist()
+        total = sum(every, torch.zeros_like(counts)).tolist()
+        pieces = []
+        for m, (mean, var, _), n, later in zip(self.norms, self.start, counts.tolist(), after, strict=True):
+            keep = 1.0 - m.momentum
+            for live, first in ((m.running_mean, mean), (m.running_var, var)):
+                pieces.append((live.double() - keep**n * first.double()) * keep**later)
+        combined = torch.cat(pieces)
+        dist.all_reduce(combined)
+        offset = 0
+        for m, (mean, var, first_count), n in zip(self.norms, self.start, total, strict=True):
+            keep = 1.0 - m.momentum
+            for live, first in ((m.running_mean, mean), (m.running_var, var)):
+                part = combined[offset : offset + live.numel()].view_as(live)
+                live.copy_(part + keep**n * first.double())
+                offset += live.numel()
+            m.num_batches_tracked.fill_(first_count + n)
+        self.start = []
+
+
+# --- what each rank holds: the profiler's per-rank figures ---------------------------------------
+
+
+def account_shards(
+    model: nn.Module, optimizer: torch.optim.Optimizer, sparsity: DynamicSparsity | None
+) -> dict[str, int]:
+    """This rank's model, optimizer (gradients + state) and state bytes by the report's definition,
+    for its local rows of every sharded tensor (compact positions, which every rank holds whole, as
+    CSR index bytes), and ``gathered_bytes``: the weights FSDP2 gathers whole at once at most, the
+    root's (held from forward through backward) plus the largest other unit's."""
+    model_bytes = optimizer_bytes = state_bytes = 0
+    for param in model.parameters():
+        piece = local(param)
+        model_bytes += piece.numel() * piece.element_size()
+        if param.requires_grad:
+            held = _state_entry_bytes(optimizer, param, piece.numel(), None, None)
+            optimizer_bytes += piece.numel() * piece.element_size() + held
+            state_bytes += held
+    if sparsity is not None and sparsity.compact is not None:
+        model_bytes += sum(csr_index_bytes(shape, count) for shape, count in sparsity.trained_parameters().values())
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    owned = {id(p) for unit in units if unit is not model for p in unit.parameters()}
+    sizes = [
+        sum(p.numel() * p.element_size() for p in unit.parameters() if unit is not model or id(p) not in owned)
+        for unit in units
+    ]
+    root = sizes[units.index(model)] if model in units else 0
+    others = [size for unit, size in zip(units, sizes, strict=True) if unit is not model]
+    return {
+        "model_bytes": model_bytes,
+        "optimizer_bytes": optimizer_bytes,
+        "optimizer_state_bytes": state_bytes,
+        "gathered_bytes": root + max(others, default=0),
+    }
+
+
+def planned_gathered_bytes(model: nn.Module, sparse: dict | None = None) -> int:
+    """What ``account_shards`` calls ``gathered_bytes`` for ``model`` not sharded yet (the planner's
+    what-if): the weights outside the blocks ``shard_model`` would make units, compact sparse values
+    included (one root parameter), plus the largest block's; ``sparse``: name -> (dense shape, active
+    count) of the sparse weights."""
+    sparse = sparse or {}
+    blocks = sharded_blocks(model)
+    block_of = {id(p): index for index, block in enumerate(blocks) for p in block.parameters()}
+    root, per_block = 0, [0] * len(blocks)
+    for name, param in model.named_parameters():
+        size = (sparse[name][1] if name in sparse else param.numel()) * param.element_size()
+        if name in sparse or id(param) not in block_of:
+            root += size
+        else:
+            per_block[block_of[id(param)]] += size
+    return root + max(per_block, default=0)
+
+
+def per_rank_report(
+    unsharded: MemoryReport, shards: dict[str, int], peak: PeakMeasurement | None, gradient_sync: str
+) -> MemoryReport:
+    """One rank's report: ``unsharded``'s activations and FLOPs (this rank's share of the minibatch,
+    accounted before sharding), with the model and optimizer bytes of its shards, the gathered
+    weights (``gathered_bytes``; their gradients before the reduce-scatter take as much again, and
+    with ``trainer.gradient_sync=minibatch`` every gradient is held whole) in the budget figure, and
+    ``peak``, measured on the sharded step."""
+    state = shards["model_bytes"] + shards["optimizer_bytes"]
+    activations = unsharded.total_bytes - unsharded.model_bytes - unsharded.optimizer_bytes
+    held = unsharded.total_with_graph_pool_bytes - unsharded.model_bytes - unsharded.optimizer_bytes
+    gathered = shards["gathered_bytes"]
+    gradients = unsharded.model_bytes if gradient_sync == "minibatch" else gathered
+    return replace(
+        unsharded,
+        model_bytes=shards["model_bytes"],
+        optimizer_bytes=shards["optimizer_bytes"],
+        optimizer_state_bytes=shards["optimizer_state_bytes"],
+        total_bytes=state + activations,
+        total_with_graph_pool_bytes=state + held,
+        budget_total_bytes=state + held + unsharded.step_temporary_bytes + gathered + gradients,
+        gathered_bytes=gathered,
+        peak_bytes=None if peak is None else peak.peak_bytes,
+        peak_breakdown={} if peak is None else peak.breakdown,
+        peak_location="" if peak is None else peak.location,
+        peak_source="" if peak is None else peak.source,
+    )

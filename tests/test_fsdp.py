@@ -1,0 +1,192 @@
+"""Sharded training (trainer.parallel=fsdp, PyTorch FSDP2): two CPU ranks (gloo) end where one
+process ends, skip FP16 overflows together, and resume on another number of ranks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.helpers import TINY_WRN, make_config
+from tests.test_distributed import _free_port
+
+# Compact DSR rewired at steps 1 and 2 (trainer.epochs=1 scales the schedule to the run's 4 steps:
+# periods of 1, 2, 4, 8 updates at frequency x100), true microbatches of 5 (each rank runs 2 of the 4 of a
+# minibatch of 20), residual checkpointing of every block, in FP64 so that only the order of
+# summation separates the runs.
+OVERRIDES = (
+    *TINY_WRN,
+    "data.train_size=80",
+    "precision=fp64",
+    "sparsity.density=0.3",
+    "sparsity.rewire_freq_mult=100",
+    "microbatch.size=5",
+    "checkpointing.strategy=residual",
+    "checkpointing.every=1",
+    "trainer.epochs=1",
+    "trainer.device=cpu",
+)
+TOLERANCE = 1e-9  # relative to each tensor's largest magnitude (at least 1): reduction order only
+
+
+def _rank_main(rank: int, world: int, port: int, run_dir: str, overrides: tuple[str, ...], case: str) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    from lowmem import distributed
+    from lowmem.techniques.shards import full
+    from lowmem.trainer import build_trainer
+
+    distributed.init_from_environment(torch.device("cpu"))
+    trainer = build_trainer(make_config(*overrides, "trainer.parallel=fsdp"))
+    out = Path(run_dir)
+    if case == "overflow":
+        # Rank 1 alone sees an overflow in the first step: every rank must skip it.
+        found = trainer.scaler.found_overflow
+        calls = []
+
+        def overflow_on_rank1_first(params):
+            calls.append(1)
+            return (rank == 1 and len(calls) == 1) or found(params)
+
+        trainer.scaler.found_overflow = overflow_on_rank1_first
+        before = {k: full(v).clone() for k, v in trainer.unwrapped_model.named_parameters()}
+        first = trainer.train_step(trainer.example_batch())
+        after = {k: full(v).clone() for k, v in trainer.unwrapped_model.named_parameters()}
+        second = trainer.train_step(trainer.example_batch())
+        unchanged = all(torch.equal(before[k], after[k]) for k in before)
+        torch.save({"first": first, "second": second, "unchanged": unchanged}, out / f"rank{rank}.pt")
+    else:
+        # Two steps (a checkpoint there, in `half`), then on to four (model.pt in `whole`): built for
+        # four steps, so that the rewiring schedule (scaled to the run's length) is the 4-step run's.
+        trainer.config.trainer.max_steps = 2
+        trainer.fit(out / "half")
+        trainer.config.trainer.max_steps = 4
+        trainer.fit(out / "whole")
+        torch.save({"masks": trainer.sparsity.masks}, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _launch(world: int, run_dir: Path, case: str, *overrides: str) -> None:
+    for sub in ("half", "whole"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    mp.start_processes(
+        _rank_main,
+        args=(world, _free_port(), str(run_dir), (*OVERRIDES, *overrides), case),
+        nprocs=world,
+        start_method="spawn",
+    )
+
+
+def _assert_close(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        if value.is_floating_point():
+            scale = value.double().abs().max().clamp(min=1)
+            assert (value.double() - b[key].double()).abs().max() / scale <= TOLERANCE, key
+        else:
+            assert torch.equal(value, b[key]), key
+
+
+def test_two_ranks_equal_one_process_and_resume_on_one(tmp_path):
+    from lowmem.train import run
+    from lowmem.trainer import build_trainer
+
+    _launch(2, tmp_path / "fsdp", "fit", "trainer.max_steps=4")
+    single = build_trainer(make_config(*OVERRIDES, "trainer.max_steps=4"))
+    (tmp_path / "one").mkdir()
+    single.fit(tmp_path / "one")
+    one = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
+    # model.pt: one full state dict with the model's own keys, written by rank 0; BatchNorm's running
+    # statistics are those of one process too.
+    _assert_close(one, torch.load(tmp_path / "fsdp" / "whole" / "model.pt", weights_only=True))
+    ranks = [torch.load(tmp_path / "fsdp" / f"rank{r}.pt", weights_only=True)["masks"] for r in range(2)]
+    for name, mask in single.sparsity.masks.items():
+        assert torch.equal(mask, ranks[0][name]) and torch.equal(mask, ranks[1][name]), name
+    assert (tmp_path / "fsdp" / "half" / "metrics.jsonl").read_text().count('"rewiring"') == 2  # steps 1 and 2
+    # The 2-rank checkpoint at step 2 resumes in one process (a shard of 1) and ends where one process does.
+    (tmp_path / "resumed").mkdir()
+    resume = f"trainer.resume={tmp_path / 'fsdp' / 'half'}"
+    try:
+        run(make_config(*OVERRIDES, "trainer.max_steps=4", "trainer.parallel=fsdp", resume), tmp_path / "resumed")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _assert_close(one, torch.load(tmp_path / "resumed" / "model.pt", weights_only=True))
+
+
+def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    _launch(2, tmp_path, "overflow", "precision=fp16", "trainer.max_steps=2", "optim.lr=0.01")
+    first, second = ([torch.load(tmp_path / f"rank{r}.pt", weights_only=False)[k] for r in range(2)] for k in
+                     ("first", "second"))  # fmt: skip
+    assert all(record["skipped"] for record in first)
+    assert all(torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["unchanged"] for r in range(2))
+    assert first[0]["loss_scale"] == first[1]["loss_scale"]
+    assert not any(record["skipped"] for record in second)
+    assert second[0]["loss_scale"] == second[1]["loss_scale"] == first[0]["loss_scale"] / 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.parallel=zero3"], "trainer.parallel='zero3' is not allowed: one of ddp, fsdp"),
+        (["trainer.parallel=fsdp", "sparsity.density=0.5", "sparsity.storage=masked"], "sparsity.storage='masked'"),
+        (["trainer.parallel=fsdp", "precision=amp"], "precision='amp' is not allowed"),
+        (["trainer.gradient_sync=never"], "trainer.gradient_sync='never' is not allowed"),
+        (["precision.reduce_dtype=fp8"], "precision.reduce_dtype='fp8' is not allowed"),
+        (["plan.world_size=0"], "plan.world_size=0 is not allowed"),
+        (["trainer.parallel=fsdp", "checkpointing.compress=4"], "checkpointing.compress=4 is not allowed"),
+    ],
+)
+def test_what_sharding_cannot_do_is_refused_naming_the_knob(overrides, message):
+    from lowmem.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(make_config(*TINY_WRN, *overrides))
+
+
+def test_one_process_with_fsdp_is_a_shard_of_one_and_profiles_whole(tmp_path):
+    from lowmem.profile import profile_config
+
+    tiny = (*TINY_WRN, "trainer.device=cpu", "sparsity.density=0.5")
+    try:
+        sharded = profile_config(make_config(*tiny, "trainer.parallel=fsdp"), measure=False)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    whole = profile_config(make_config(*tiny), measure=False)
+    for key in ("model_bytes", "optimizer_bytes", "activation_bytes", "flops"):
+        assert sharded[key] == whole[key], key
+    assert sharded["gathered_bytes"] > 0 and whole["gathered_bytes"] == 0
+
+
+def test_a_loop_of_your_own_prepared_with_fsdp_trains_and_resumes():
+    from torch import nn
+
+    import lowmem
+
+    torch.manual_seed(0)
+    # A container model: compact values shared for sharding must not become one of its layers.
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 16), nn.ReLU()), nn.Linear(16, 4))
+    batch = (torch.randn(20, 8), torch.randint(0, 4, (20,)))
+
+    def loss_fn(m, b):
+        return nn.functional.cross_entropy(m(b[0]), b[1])
+
+    overrides = ["trainer.parallel=fsdp", "sparsity.density=0.5", "microbatch.size=5", "trainer.device=cpu"]
+    try:
+        run = lowmem.prepare(model, loss_fn, batch, overrides=overrides)
+        losses = [run.step(batch)["loss"] for _ in range(3)]
+        saved = run.state_dict()
+        after = run.step(batch)["loss"]
+        run.load_state_dict(saved)
+        again = run.step(batch)["loss"]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert losses[-1] < losses[0] and again == after
