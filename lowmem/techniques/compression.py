@@ -281,7 +281,50 @@ class _Packed:
         return self.parts if self.unpack_outer is None else [self.unpack_outer(part) for part in self.parts]
 
 
-class ActivationCompression:
+class ForwardSavedTensorHooks:
+    """Saved-tensor hooks entered around every forward of ``model`` (a forward pre-hook and an
+    always-called forward hook) and chained to the hooks active outside: ``self._outer`` is their
+    (pack, unpack), to which a subclass's ``_pack`` hands what it stores, so the accounting and the
+    measured peak see the stored form. Subclasses define ``_pack``, ``_unpack`` and ``_starts``
+    (what a new forward resets)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._outer: tuple | None = None
+        self._contexts: list[tuple[contextlib.AbstractContextManager, tuple | None]] = []
+        self._state_shapes = state_shapes(model)
+        self._handles = [
+            model.register_forward_pre_hook(self._forward_starts),
+            model.register_forward_hook(self._forward_ends, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _starts(self) -> None:
+        """A forward starts: reset what the subclass counts per forward."""
+
+    def _forward_starts(self, module: nn.Module, args: tuple) -> None:
+        self._starts()
+        self._state_shapes = state_shapes(module)
+        self._push()
+
+    def _forward_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._pop()
+
+    def _push(self) -> None:
+        context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._contexts.append((context, self._outer))
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        context.__enter__()
+
+    def _pop(self) -> None:
+        if self._contexts:
+            context, self._outer = self._contexts.pop()
+            context.__exit__(None, None, None)
+
+
+class ActivationCompression(ForwardSavedTensorHooks):
     """Saved-tensor hooks installed around ``model``'s forward (``apply_compression``).
 
     bits: the width every saved activation is stored at, or None: only where a schedule sets one
@@ -294,17 +337,7 @@ class ActivationCompression:
         self.key = fmix32(seed ^ _SALT)
         self.compressed_bytes = 0
         self._count = 0  # tensors quantized in this forward (each draws its own key)
-        self._outer: tuple | None = None
-        self._contexts: list[tuple[contextlib.AbstractContextManager, tuple | None]] = []
-        self._state_shapes = state_shapes(model)
-        self._handles = [
-            model.register_forward_pre_hook(self._forward_starts),
-            model.register_forward_hook(self._forward_ends, always_call=True),
-        ]
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        super().__init__(model)
 
     def start_microbatch(self, step: int, microbatch: int) -> None:
         """Draw the next forward's random bits for microbatch ``microbatch`` of step ``step``."""
@@ -320,25 +353,8 @@ class ActivationCompression:
         finally:
             self._pop()
 
-    def _forward_starts(self, module: nn.Module, args: tuple) -> None:
+    def _starts(self) -> None:
         self._count, self.compressed_bytes = 0, 0
-        self._state_shapes = state_shapes(module)
-        self._push()
-
-    def _forward_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self._pop()
-
-    def _push(self) -> None:
-        # The hooks active outside (the accounting's, the measured peak's) receive what is stored.
-        context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._contexts.append((context, self._outer))
-        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        context.__enter__()
-
-    def _pop(self) -> None:
-        if self._contexts:
-            context, self._outer = self._contexts.pop()
-            context.__exit__(None, None, None)
 
     # --- saved tensors --------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> _Packed:

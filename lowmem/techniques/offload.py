@@ -29,7 +29,6 @@ tests drive the hooks through a test double of it on a CPU.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from typing import Any, Protocol
@@ -39,7 +38,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lowmem.profiler.activations import SAVED_FORM
-from lowmem.techniques.compression import is_model_state, state_shapes
+from lowmem.techniques.compression import ForwardSavedTensorHooks, is_model_state
 
 log = logging.getLogger("lowmem")
 MIN_BYTES = 1 << 16  # smaller saved tensors stay on the device (the copy's latency outweighs them)
@@ -154,7 +153,7 @@ class _Kept:
         return self.packed if self.unpack_outer is None else self.unpack_outer(self.packed)
 
 
-class ActivationOffload:
+class ActivationOffload(ForwardSavedTensorHooks):
     """Saved-tensor hooks that offload what ``model``'s forward saves (``apply_offload``).
 
     streams: the device's copy machinery (``CudaStreams``; a test double on a CPU).
@@ -168,35 +167,15 @@ class ActivationOffload:
         self.pool = PinnedPool(streams, max_bytes)
         self.offloaded_bytes = self.kept_for_room = 0
         self._order: list[weakref.ref] = []  # this forward's offloaded tensors, in pack order
-        self._contexts: list[tuple[contextlib.AbstractContextManager, tuple | None]] = []
-        self._outer: tuple | None = None
-        self._state_shapes = state_shapes(model)
-        self._handles = [
-            model.register_forward_pre_hook(self._forward_starts),
-            model.register_forward_hook(self._forward_ends, always_call=True),
-        ]
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        super().__init__(model)
 
     @property
     def host_bytes(self) -> int:
         """Pinned host memory the pool holds (bytes)."""
         return self.pool.held_bytes
 
-    def _forward_starts(self, module: nn.Module, args: tuple) -> None:
+    def _starts(self) -> None:
         self._order, self.offloaded_bytes = [], 0
-        self._state_shapes = state_shapes(module)
-        context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._contexts.append((context, self._outer))
-        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        context.__enter__()
-
-    def _forward_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._contexts:
-            context, self._outer = self._contexts.pop()
-            context.__exit__(None, None, None)
 
     def _pack(self, tensor: torch.Tensor) -> _Offloaded | _Kept:
         nbytes = tensor.numel() * tensor.element_size()
