@@ -72,6 +72,7 @@ def memory_part() -> dict:
         "WRN-28-2, FP32, batch 100": (WRN, True),
         "WRN-28-2, BF16, batch 100": ([*WRN, "precision=bf16"], False),
         "resnet18, FP32, batch 100": (RESNET18, True),
+        "resnet18, BF16, batch 100": ([*RESNET18, "precision=bf16"], False),
     }
     figures = {}
     print("\n| model | compress | stored activations MB (fewer) | accounted activations MB | measured peak MB "

@@ -276,3 +276,80 @@ def test_a_bad_width_is_refused_naming_the_knob_and_the_values(value):
     with pytest.raises(ConfigError, match="checkpointing.compress"):
         validate(cfg)
     assert validate_compress("none") is None and validate_compress(4) == 4 and validate_compress("2") == 2
+
+
+class _Stored:
+    """Records the form and bytes each saved tensor is stored in (wrapping the hooks' pack)."""
+
+    def __init__(self, hooks) -> None:
+        self.forms: list[tuple[str, torch.dtype, int]] = []
+        pack = hooks._pack
+
+        def recording(tensor):
+            packed = pack(tensor)
+            stored = packed.nbytes if packed.form != "plain" else tensor.numel() * tensor.element_size()
+            self.forms.append((packed.form, tensor.dtype, stored))
+            return packed
+
+        hooks._pack = recording
+
+
+@pytest.mark.parametrize(("side", "dtype"), [(16, torch.uint8), (64, torch.int16), (256, torch.int32)])
+def test_max_pooling_indices_are_stored_narrow_and_exact(side, dtype):
+    """A max-pooling module's int64 indices come back exactly from the narrowest type holding its
+    plane's positions, so the gradient reaching the pooling's input is bit-identical."""
+    pool = nn.Sequential(nn.MaxPool2d(3, stride=2, padding=1))
+    x = torch.randn(16, 8, side, side)
+    scale = nn.Parameter(torch.tensor(1.5))
+    grads = []
+    for bits in (None, 2):
+        hooks = apply_compression(pool, bits)
+        stored = _Stored(hooks)
+        inner = x * scale
+        inner.register_hook(grads.append)
+        pool(inner).sum().backward()
+        hooks.remove()
+    assert torch.equal(grads[0], grads[1])
+    narrowed = [s for s in stored.forms if s[0] == "narrowed"]
+    assert len(narrowed) == 1 and narrowed[0][1] == torch.int64
+    assert narrowed[0][2] == 16 * 8 * (side // 2) ** 2 * torch.empty((), dtype=dtype).element_size()
+
+
+class _NativeDropout(nn.Module):
+    """Dropout as CUDA runs it (``native_dropout``: a bool mask saved); CPU's ``F.dropout`` saves
+    a floating-point noise tensor instead, a leaf kept as it is."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.native_dropout(x, 0.3, True)[0]
+
+
+def test_bool_masks_are_stored_at_one_bit_and_exact():
+    net = nn.Sequential(_NativeDropout())
+    x = torch.randn(32, 4096)
+    scale = nn.Parameter(torch.tensor(2.0))
+    grads = []
+    for bits in (None, 8):
+        hooks = apply_compression(net, bits)
+        stored = _Stored(hooks)
+        torch.manual_seed(0)
+        inner = x * scale
+        inner.register_hook(grads.append)
+        net(inner).square().sum().backward()
+        hooks.remove()
+    assert torch.equal(grads[0], grads[1])
+    masks = [s for s in stored.forms if s[1] == torch.bool]
+    assert masks and all(form == "signs" and nbytes == 32 * 4096 // 8 for form, _, nbytes in masks)
+
+
+def test_the_minibatch_is_quantized_where_saved_but_buffers_and_parameters_are_not():
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8))
+    conv.register_buffer("table", torch.randn(64, 64))
+    x = torch.randn(8, 3, 32, 32)
+    hooks = apply_compression(conv, 8)
+    stored = _Stored(hooks)
+    conv(x).mul(conv.table.sum()).sum().backward()
+    quantized = [s for s in stored.forms if s[0] == "quantized"]
+    # The convolution's input (the minibatch: 24,576 values) and BatchNorm's input, each at 8 bits
+    # plus two FP32 numbers per group; the weight stays as it is.
+    assert sorted(nbytes for _, _, nbytes in quantized) == [8 * 3 * 32 * 32 * 33 // 32, 8 * 8 * 32 * 32 * 33 // 32]
+    assert ("plain", torch.float32, 8 * 3 * 3 * 3 * 4) in stored.forms

@@ -18,11 +18,21 @@ and read it back (dequantized, in its own dtype) when backward needs it:
   (i / 4, the tensor's key), the key derived from the trainer's seed, its step count, the
   microbatch and k (``ActivationCompression.start_microbatch``), so a resumed run draws the bits
   the uninterrupted one did, on every device;
+- the minibatch is an activation like any other: a floating-point tensor the model's forward was
+  given (or a microbatch slice of it) is quantized where an op saves it (the first convolution
+  keeps its input for its weight gradient), as ActNN's compressed layers do. What the caller itself
+  still holds of it is its own memory, not autograd's;
+- stored exactly, in fewer bytes (lossless): a ReLU's own saved output as a 1-bit sign mask (its
+  backward needs nothing else), as lowmem's accounting has always counted it; a bool tensor (a
+  dropout or padding mask) at 1 bit per element; the int64 indices a max-pooling module
+  (``nn.MaxPool1d/2d/3d``, ``nn.AdaptiveMaxPool1d/2d/3d``) saves, in the narrowest integer type
+  that holds every position of its input's plane (uint8 up to 256 positions, int16 up to 32,768,
+  int32 beyond: torchvision's resnet18 at 32x32 pools a 16x16 plane, 8x fewer bytes). The width
+  follows from the input's shape alone, so a fake pass (the accounting) sizes it exactly;
 - what is not compressed: parameters and tensors computed from them alone (a transposed or cast
-  weight), leaves (the minibatch), tensors of fewer than ``MIN_ELEMENTS`` elements (BatchNorm's
-  statistics), integer and bool tensors (indices, dropout masks), and a checkpointed segment's input
-  (recomputation starts from it exactly). A ReLU's own saved output is stored as a 1-bit sign mask
-  (its backward needs nothing else; exact), as lowmem's accounting has always counted it;
+  weight), other leaves (buffers, constants), tensors of fewer than ``MIN_ELEMENTS`` elements
+  (BatchNorm's statistics), other integer tensors (a functional max-pool's or an embedding's
+  indices), and a checkpointed segment's input (recomputation starts from it exactly);
 - a tensor saved twice in one forward (a ReLU output saved by the ReLU and by the convolution after
   it, a layer-norm output read by three projections) is quantized once.
 
@@ -58,7 +68,7 @@ from torch.utils.flop_counter import register_flop_formula
 from lowmem import kernels
 from lowmem.kernels import cpu
 from lowmem.kernels.reference import _fmix32_tensor, fmix32, tensor_keys
-from lowmem.profiler.activations import SAVED_FORM
+from lowmem.profiler.activations import SAVED_FORM, op_tensors, storage_key
 
 WIDTHS = (8, 4, 2)  # checkpointing.compress, widest first
 GROUP = 256  # elements per quantization group (one FP32 minimum and step each)
@@ -301,11 +311,11 @@ class ForwardSavedTensorHooks:
         for handle in self._handles:
             handle.remove()
 
-    def _starts(self) -> None:
-        """A forward starts: reset what the subclass counts per forward."""
+    def _starts(self, args: tuple) -> None:
+        """A forward starts, given ``args``: reset what the subclass counts per forward."""
 
     def _forward_starts(self, module: nn.Module, args: tuple) -> None:
-        self._starts()
+        self._starts(args)
         self._state_shapes = state_shapes(module)
         self._push()
 
@@ -337,7 +347,15 @@ class ActivationCompression(ForwardSavedTensorHooks):
         self.key = fmix32(seed ^ _SALT)
         self.compressed_bytes = 0
         self._count = 0  # tensors quantized in this forward (each draws its own key)
+        self._inputs: set[int] = set()  # storages of the floating-point tensors the forward was given
+        self._plane: int | None = None  # positions in the plane a max-pooling module runs over
         super().__init__(model)
+        for module in model.modules():
+            if isinstance(module, _MAX_POOLS):
+                self._handles += [
+                    module.register_forward_pre_hook(self._pooling_starts),
+                    module.register_forward_hook(self._pooling_ends, always_call=True),
+                ]
 
     def start_microbatch(self, step: int, microbatch: int) -> None:
         """Draw the next forward's random bits for microbatch ``microbatch`` of step ``step``."""
@@ -353,8 +371,16 @@ class ActivationCompression(ForwardSavedTensorHooks):
         finally:
             self._pop()
 
-    def _starts(self) -> None:
+    def _starts(self, args: tuple) -> None:
         self._count, self.compressed_bytes = 0, 0
+        self._inputs = {storage_key(t) for t in op_tensors(args) if t.is_floating_point() and t.grad_fn is None}
+
+    def _pooling_starts(self, module: nn.Module, args: tuple) -> None:
+        dims = int(type(module).__name__[-2])  # MaxPool2d, AdaptiveMaxPool3d, ...
+        self._plane = math.prod(args[0].shape[-dims:]) if args and isinstance(args[0], torch.Tensor) else None
+
+    def _pooling_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._plane = None
 
     # --- saved tensors --------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> _Packed:
@@ -365,6 +391,9 @@ class ActivationCompression(ForwardSavedTensorHooks):
         if form == "signs":
             signs = torch.ops.lowmem.pack_signs(tensor.detach())
             packed = _Packed("signs", [signs], (shape, tensor.dtype), self._outer)
+        elif form == "narrowed":
+            narrow = tensor.detach().to(_index_dtype(self._plane))
+            packed = _Packed("narrowed", [narrow], (tensor.dtype,), self._outer)
         elif form == "quantized":
             cached = getattr(tensor, "_lowmem_quantized", None)
             if cached is not None and cached[0] == (tensor._version, width) and cached[1]() is not None:
@@ -387,18 +416,42 @@ class ActivationCompression(ForwardSavedTensorHooks):
         if packed.form == "signs":
             shape, dtype = packed.meta
             return torch.ops.lowmem.unpack_signs(parts[0], shape, dtype)
+        if packed.form == "narrowed":
+            return parts[0].to(packed.meta[0])
         bits, shape, dtype = packed.meta
         return torch.ops.lowmem.dequantize_activation(*parts, bits, shape, dtype)
 
     def _form(self, tensor: torch.Tensor) -> str:
-        """How ``tensor`` is stored: "signs" (a ReLU's own output), "quantized" or "plain"."""
-        if not tensor.is_floating_point() or tensor.grad_fn is None:
-            return "plain"  # indices, masks; leaves: parameters, the minibatch, buffers
+        """How ``tensor`` is stored: "signs" (a ReLU's own output, a bool mask: 1 bit each),
+        "narrowed" (a max-pooling module's indices), "quantized" or "plain"."""
+        if tensor.numel() < MIN_ELEMENTS:
+            return "plain"
+        if not tensor.is_floating_point():
+            if tensor.dtype == torch.bool:
+                return "signs"
+            if tensor.dtype == torch.int64 and self._plane is not None and self._plane <= _INT32_POSITIONS:
+                return "narrowed"
+            return "plain"  # other indices
+        if tensor.grad_fn is None:  # a leaf: the minibatch is an activation; parameters, buffers are not
+            return "quantized" if storage_key(tensor) in self._inputs else "plain"
         if _saved_by_relu_itself(tensor):
             return "signs"
-        if tensor.numel() < MIN_ELEMENTS or is_model_state(tensor, self._state_shapes):
+        if is_model_state(tensor, self._state_shapes):
             return "plain"
         return "quantized"
+
+
+_MAX_POOLS = (
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d
+)  # fmt: skip
+_INT32_POSITIONS = 2**31
+
+
+def _index_dtype(positions: int) -> torch.dtype:
+    """The narrowest integer type holding every index into a plane of ``positions`` elements."""
+    if positions <= 256:
+        return torch.uint8
+    return torch.int16 if positions <= 2**15 else torch.int32
 
 
 def is_model_state(tensor: torch.Tensor, state_shapes: set[tuple[int, ...]]) -> bool:

@@ -174,7 +174,7 @@ class ActivationOffload(ForwardSavedTensorHooks):
         """Pinned host memory the pool holds (bytes)."""
         return self.pool.held_bytes
 
-    def _starts(self) -> None:
+    def _starts(self, args: tuple) -> None:
         self._order, self.offloaded_bytes = [], 0
 
     def _pack(self, tensor: torch.Tensor) -> _Offloaded | _Kept:
