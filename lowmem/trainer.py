@@ -55,7 +55,7 @@ from lowmem.techniques.convolutions import tune_convolutions
 from lowmem.techniques.cpu_compute import choices as cpu_compute_choices
 from lowmem.techniques.cpu_compute import context_for, summary
 from lowmem.techniques.microbatch import apply_simulated_microbatching, no_sync_except_last
-from lowmem.techniques.offload import apply_offload, offload_of
+from lowmem.techniques.offload import apply_offload, link_flops_per_byte, offload_of
 from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
 from lowmem.techniques.precision import (
     PrecisionPolicy,
@@ -816,18 +816,23 @@ def apply_techniques(
     #    stored segment, so the hooks go on first (the planner accounts through them).
     #    Offloading (CUDA) goes on first: its hooks are then the outer ones, and what compression
     #    stores is what it copies to the host.
+    #    Under `optimal` offloading is one more choice per stored block, priced at this device's
+    #    measured host link; with a fixed strategy everything kept is offloaded.
     blocks = name_list(cfg.checkpointing.blocks, "checkpointing.blocks")
     compress = validate_compress(cfg.checkpointing.compress)
+    optimal = cfg.checkpointing.strategy == "optimal"
     if cfg.checkpointing.offload:
         with _refusals_as_config_errors():
-            apply_offload(model, device=device)
-    if cfg.checkpointing.strategy == "optimal":
+            apply_offload(model, device=device, everywhere=not optimal)
+    if optimal:
         if compress is not None:
             apply_compression(model, None, seed=cfg.trainer.seed)
+        compute_dtype = policy.autocast_dtype or policy.param_dtype
+        link = link_flops_per_byte(device, compute_dtype) if cfg.checkpointing.offload else None
         provisional = Trainer(cfg, recipe, model, data, policy, sparsity, defaults, device)
         with _refusals_as_config_errors():
             apply_optimal_checkpointing(
-                provisional, cfg.checkpointing.budget_mb, blocks, widths=allowed_widths(compress)
+                provisional, cfg.checkpointing.budget_mb, blocks, widths=allowed_widths(compress), offload=link
             )
         del provisional  # its optimizer state must not coexist with the real trainer's
     else:

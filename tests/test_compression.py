@@ -251,7 +251,7 @@ def test_apply_schedule_compresses_only_the_segments_given_a_width(wrn_batch):
     apply_schedule(model, [(Segment(1, "stored", bits=8), Segment(1, "all_at_once"), Segment(1, "stored"))])
     gradients(model, x, y)
     assert hooks.compressed_bytes > 0
-    with pytest.raises(ValueError, match="a width only when stored"):
+    with pytest.raises(ValueError, match="a width or offload only when stored"):
         apply_schedule(model, [(Segment(3, "all_at_once", bits=8),)])
 
 

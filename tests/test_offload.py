@@ -13,10 +13,13 @@ import torch
 from torch import nn
 
 from lowmem.config import ConfigError, compose
-from lowmem.profiler import account_activations
+from lowmem.planning.optimal import apply_optimal_checkpointing
+from lowmem.planning.schedule import BlockCosts, ChainCosts, cheapest_plan
+from lowmem.profiler import account_activations, profile_trainer
 from lowmem.techniques.compression import apply_compression
-from lowmem.techniques.offload import apply_offload
+from lowmem.techniques.offload import apply_offload, exposed_transfer_flops
 from lowmem.trainer import build_trainer
+from tests.helpers import TINY_WRN
 
 
 class FakeStreams:
@@ -153,3 +156,94 @@ def test_a_cpu_run_is_refused_naming_the_knob():
     assert "\n" not in str(refused.value) and "checkpointing.offload=false" in str(refused.value)
     with pytest.raises(ValueError, match="checkpointing.offload"):
         apply_offload(copy.deepcopy(mlp()), device=torch.device("cpu"))
+
+
+def offloadable_block(stored: int, left: int, flops: int, exposed: int) -> BlockCosts:
+    """A block storing ``stored`` bytes, of which ``left`` stay on the device when offloaded, whose
+    copies cost ``exposed`` FLOP-equivalents its compute cannot hide."""
+    peaks = {(backprop, False): stored + 20 for backprop in ("stored", "all_at_once", "recursively")}
+    return BlockCosts(
+        input_bytes=10, output_bytes=10, stored_bytes={False: stored}, peak_bytes=peaks, flops=flops,
+        forward_flops=flops // 3, rebuild_flops=flops // 3, routes_norm=False,
+        offloaded={False: (left, stored + 20, flops + exposed)},
+    )  # fmt: skip
+
+
+def test_the_planner_offloads_where_the_link_hides_the_copies():
+    fast = ChainCosts(tuple(offloadable_block(100, 5, 300, 0) for _ in range(4)), (4,), (0,), 0)
+    assert str(cheapest_plan(fast, 1000)) == "stored:4"  # room: nothing moves
+    tight = cheapest_plan(fast, 140)
+    assert str(tight) == "stored/offload:3 stored:1" and tight.flops == 1200  # free copies beat recomputing
+    slow = ChainCosts(tuple(offloadable_block(100, 5, 300, 500) for _ in range(4)), (4,), (0,), 0)
+    assert "offload" not in str(cheapest_plan(slow, 140))  # recomputing a block (+100) beats +500 of copies
+    some = ChainCosts(tuple(offloadable_block(100, 5, 300, 60) for _ in range(4)), (4,), (0,), 0)
+    assert cheapest_plan(some, 140).flops == 1200 + 3 * 60  # 60 per block offloaded, below 100 recomputing
+
+
+def test_optimal_checkpointing_offloads_the_blocks_it_chooses_and_stays_exact():
+    """On a CPU through the copy stream's test double: with a link that hides every copy the planner
+    offloads stored blocks to fit a tight budget instead of recomputing; only those blocks' saves
+    go to the host, the accounted activations fit, and the gradients are the plain ones."""
+    cfg = compose(*TINY_WRN, "trainer.device=cpu", "precision=fp32")
+    plain = build_trainer(cfg)
+    batch = plain.example_batch()
+    kept = profile_trainer(plain, measure=False).activation_bytes
+    budget_mb = kept * 0.5 / 1e6  # recomputing one of WRN-10-1's three blocks fits it
+    plain.model.zero_grad()
+    plain.microbatch_backward(batch, weight=1.0)
+    expected = [p.grad.clone() for p in plain.model.parameters()]
+
+    trainer = build_trainer(cfg)
+    streams = FakeStreams()
+    hooks = apply_offload(trainer.unwrapped_model, streams, everywhere=False)
+    chosen = apply_optimal_checkpointing(trainer, budget_mb, offload=0.0)
+    assert "offload" in chosen.description and "all_at_once" not in chosen.description
+    assert chosen.activation_bytes <= budget_mb * 1e6
+    trainer.model.zero_grad()
+    trainer.microbatch_backward(batch, weight=1.0)
+    assert all(torch.equal(a, p.grad) for a, p in zip(expected, trainer.model.parameters(), strict=True))
+    assert 0 < hooks.offloaded_bytes < kept  # some blocks offloaded, not everything saved
+    assert [op for op, _ in streams.log].count("to_host") == [op for op, _ in streams.log].count("to_device")
+    # The same budget with a link too slow to hide anything: recomputation instead; below what
+    # recomputation reaches, offloading however slow.
+    slow = build_trainer(cfg)
+    apply_offload(slow.unwrapped_model, FakeStreams(), everywhere=False)
+    recomputed = apply_optimal_checkpointing(slow, budget_mb, offload=1e9).description
+    assert "offload" not in recomputed and "recursively" in recomputed
+    assert "offload" in apply_optimal_checkpointing(slow, budget_mb * 0.8, offload=1e9).description
+
+
+def test_exposed_transfer_is_what_the_blocks_compute_cannot_hide():
+    assert exposed_transfer_flops(1000, 5000, 9000, 2.0) == 0  # 2,000 FLOP-times each way: hidden
+    assert exposed_transfer_flops(1000, 500, 9000, 2.0) == 1500  # the copy out outlasts the forward
+    assert exposed_transfer_flops(1000, 500, 1000, 2.0) == 1500 + 1000
+
+
+def test_lowmem_plan_lets_optimal_offload_where_allowed(monkeypatch):
+    """``lowmem.plan ... checkpointing.offload=true`` (a CUDA run, stood in for on a CPU by the copy
+    stream's test double and a free host link): at a budget only recomputation or offloading meets,
+    the chosen configuration offloads instead of recomputing, and says so in its overrides; on a CPU
+    the knob is refused in one line."""
+    from lowmem.planning import search
+
+    fixed = [*TINY_WRN, "trainer.device=cpu", "sparsity.density=1.0", "precision=fp32", "microbatch.size=null",
+             "optim.state_bits=null"]  # fmt: skip
+    plain = search.Planner([*fixed, "checkpointing.strategy=optimal"], 10**12)
+    roomy = plain.search(1)[0]
+    budget = roomy.budget_total_bytes - roomy.activation_bytes // 2
+    recomputing = search.Planner([*fixed, "checkpointing.strategy=optimal"], budget).search(1)[0]
+    assert "offload" not in recomputing.schedule and not recomputing.offload
+
+    monkeypatch.setattr(search, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(
+        search, "install_offload", lambda model, device: apply_offload(model, FakeStreams(), everywhere=False)
+    )
+    monkeypatch.setattr(search, "link_price", lambda trainer: 0.0)
+    planner = search.Planner([*fixed, "checkpointing.offload=true"], budget)
+    chosen = planner.search(1)[0]
+    assert chosen.strategy == "optimal" and chosen.offload and "offload" in chosen.schedule
+    assert chosen.flops < recomputing.flops and chosen.budget_total_bytes <= budget
+    assert "checkpointing.offload=true" in planner.overrides(chosen)
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="checkpointing.offload=true needs a CUDA device"):
+        search.Planner([*fixed, "checkpointing.offload=true"], budget)

@@ -126,6 +126,7 @@ def plan_search(
         "optimizer_state_bytes": row.get("optimizer_state_bytes"),
         "state_bits": chosen.bits,
         "compress": chosen.compress,
+        "offload": chosen.offload,
         "activation_bytes": row["activation_bytes"],
         "flops": row["flops"],
         "peak_bytes": row["peak_bytes"],

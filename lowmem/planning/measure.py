@@ -30,7 +30,7 @@ import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,7 @@ from lowmem.residual import residual_stacks, routes_norm_relu_conv, run_sequenti
 from lowmem.techniques.chains import find_block_chains, install_chains, installed_runners
 from lowmem.techniques.checkpointing import Segment, apply_checkpointing, run_segments, set_recompute_norm
 from lowmem.techniques.compression import ActivationCompression, compression_of
+from lowmem.techniques.offload import ActivationOffload, exposed_transfer_flops, offload_of
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,11 @@ def outside_pass(trainer: Any, part: Any, weight: float, passes: FakePasses | No
 
 
 def measure_chain(
-    trainer: Any, outside_flops: bool = True, outside: Sequence[OutsidePass | None] = (), widths: Sequence[int] = ()
+    trainer: Any,
+    outside_flops: bool = True,
+    outside: Sequence[OutsidePass | None] = (),
+    widths: Sequence[int] = (),
+    offload: float | None = None,
 ) -> ChainCosts:
     """The DP's figures for ``trainer``'s first minibatch (see the module docstring).
 
@@ -287,12 +292,15 @@ def measure_chain(
         ``distinct_microbatches`` order (None or missing: run here).
     widths: the widths a stored block may be compressed at (``checkpointing.compress``: the model
         has compression hooks installed, ``lowmem.techniques.compression``); each is measured.
+    offload: the host link's price in FLOPs per byte (``lowmem.techniques.offload.link_flops_per_byte``)
+        when a stored block may be offloaded (the model has offload hooks installed that offload only
+        where a schedule says); None: it may not.
     """
     model = _ready_to_measure(trainer)
     distinct = distinct_microbatches(trainer, trainer.example_batch())
     try:
         chains = [
-            (_measure_microbatch(trainer, part, weight, outside_flops, known, widths), count)
+            (_measure_microbatch(trainer, part, weight, outside_flops, known, widths, offload), count)
             for (part, weight, count), known in itertools.zip_longest(distinct, outside[: len(distinct)])
         ]
     finally:
@@ -336,8 +344,10 @@ def _measure_microbatch(
     outside_flops: bool,
     outside: OutsidePass | None = None,
     widths: Sequence[int] = (),
+    offload: float | None = None,
 ) -> ChainCosts:
     model = trainer.unwrapped_model
+    hooks = SavingHooks(compression_of(model), offload_of(model) if offload is not None else None, offload)
     stacks = _stacks(model)
     step = functools.partial(trainer.microbatch_backward, weight=weight, local=True)
     with FakePasses(model) as passes:
@@ -364,7 +374,7 @@ def _measure_microbatch(
             for index, block in enumerate(stacks[call.stack]):
                 key = _signature(block, call, index)
                 if key not in measured:
-                    measured[key] = _measure_block(block, call, index, passes, compression_of(model), widths)
+                    measured[key] = _measure_block(block, call, index, passes, hooks, widths)
                 blocks.append(measured[key])
     outside_peak = outside.activation_bytes
     sizes = tuple(len(stacks[call.stack]) for call in calls)
@@ -400,17 +410,38 @@ def _chained_tensor(output: Any) -> torch.Tensor:
     return next(leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor))
 
 
+@dataclass(frozen=True)
+class SavingHooks:
+    """The model's saved-tensor hooks a block is measured through: compression (its widths are
+    measured when it has them), offload (with ``flops_per_byte``, the host link's price: an
+    offloaded block is measured when given)."""
+
+    compression: ActivationCompression | None = None
+    offload: ActivationOffload | None = None
+    flops_per_byte: float | None = None
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """The hooks around a block run alone, nested as around the model's forward (offload
+        installed first: the outer one)."""
+        with contextlib.ExitStack() as stack:
+            for hooks in (self.offload, self.compression):
+                if hooks is not None:
+                    stack.enter_context(hooks.saving())
+            yield
+
+
 def _measure_block(
     block: nn.Module,
     call: _StackCall,
     index: int,
     passes: FakePasses,
-    compression: ActivationCompression | None = None,
+    hooks: SavingHooks = SavingHooks(),
     widths: Sequence[int] = (),
 ) -> BlockCosts:
     """One block's figures: a fake forward + backward per way it can run (``passes``: the model's,
     whose fake parameters the block reads); stored compressed at each of ``widths`` through the
-    model's ``compression`` hooks, when it has them."""
+    model's compression hooks, and offloaded through its offload hooks, when it has them."""
     spec = call.inputs[index]
 
     def run(segment: Segment) -> Callable[[], None]:
@@ -419,9 +450,8 @@ def _measure_block(
             x = spec.make()
             keywords = call.make_keywords(index)
             runnable = _WithKeywords(block, keywords) if keywords else block
-            # The model's compression hooks around the block alone, as around the model's forward.
-            saving = contextlib.nullcontext() if compression is None else compression.saving()
-            with call.autocast_context(), saving:
+            # The model's saved-tensor hooks around the block alone, as around the model's forward.
+            with call.autocast_context(), hooks.saving():
                 out = run_segments([runnable], x.view_as(x), call.make_context(index), (segment,))
             out = _chained_tensor(out)
             out.backward(torch.empty_like(out))
@@ -441,10 +471,20 @@ def _measure_block(
         traces[("recursively", False)] = traces[("all_at_once", False)]
     stored = traces[("stored", False)]
     compressed = {}
-    for bits in widths if compression is not None else ():
+    for bits in widths if hooks.compression is not None else ():
         for norm in norms:
             trace = passes.account(run(Segment(1, "stored", norm, bits)))
             compressed[(norm, bits)] = (trace.stored_before_backward, trace.activation_bytes, trace.flops)
+    offloaded = {}
+    forward_flops = traces[("all_at_once", False)].flops - stored.flops
+    if hooks.offload is not None and hooks.flops_per_byte is not None:
+        for norm in norms:
+            kept, trace = traces[("stored", norm)], passes.account(run(Segment(1, "stored", norm, offload=True)))
+            # Backward brings back what the block saved before it runs: its work is its stored peak.
+            exposed = exposed_transfer_flops(
+                trace.offloaded_bytes, forward_flops, stored.flops - forward_flops, hooks.flops_per_byte
+            )
+            offloaded[norm] = (trace.stored_before_backward, kept.activation_bytes, trace.flops + exposed)
     output = call.inputs[index + 1]
     return BlockCosts(
         input_bytes=traces[("all_at_once", False)].stored_before_backward,
@@ -452,10 +492,11 @@ def _measure_block(
         stored_bytes={norm: traces[("stored", norm)].stored_before_backward for norm in norms},
         peak_bytes={key: trace.activation_bytes for key, trace in traces.items()},
         flops=stored.flops,
-        forward_flops=traces[("all_at_once", False)].flops - stored.flops,
+        forward_flops=forward_flops,
         rebuild_flops=traces[("recursively", routes)].flops - stored.flops,
         routes_norm=routes,
         compressed=compressed,
+        offloaded=offloaded,
     )
 
 
@@ -484,6 +525,14 @@ def _merge(chains: list[tuple[ChainCosts, int]]) -> ChainCosts:
                         sum(b.compressed[k][2] * n for b, n in figures),
                     )
                     for k in first.blocks[position].compressed
+                },
+                offloaded={
+                    k: (
+                        max(b.offloaded[k][0] for b in costs),
+                        max(b.offloaded[k][1] for b in costs),
+                        sum(b.offloaded[k][2] * n for b, n in figures),
+                    )
+                    for k in first.blocks[position].offloaded
                 },
             )
         )

@@ -174,11 +174,14 @@ class CheckpointPlacement:
     its model runs whichever schedule was accounted or applied last.
     widths: the widths a stored block may be compressed at (``checkpointing.compress`` and wider;
     the model has compression hooks installed), none: blocks are kept or recomputed.
+    offload: the host link's price in FLOPs per byte when a stored block may be offloaded (the model
+    has offload hooks installed that offload where a schedule says), None: it may not.
     """
 
-    def __init__(self, trainer: Any, widths: Sequence[int] = ()) -> None:
+    def __init__(self, trainer: Any, widths: Sequence[int] = (), offload: float | None = None) -> None:
         self.trainer = trainer
         self.widths = tuple(widths)
+        self.offload = offload
         self._costs: ChainCosts | None = None
         self._accounted: dict[str, AccountedSchedule] = {}
         self._smallest: AccountedSchedule | None = None
@@ -190,7 +193,7 @@ class CheckpointPlacement:
     def moved_to(self, trainer: Any) -> CheckpointPlacement:
         """This placement's figures standing for ``trainer`` (the same configuration but for the
         density, which changes no activation), whose model it then applies schedules to."""
-        placement = CheckpointPlacement(trainer, self.widths)
+        placement = CheckpointPlacement(trainer, self.widths, self.offload)
         placement.merge({**self.found(), "figures": None})  # per-shape figures stay with their trainer
         return placement
 
@@ -227,7 +230,9 @@ class CheckpointPlacement:
         if self._costs is None:
             with _own_random_streams(self.trainer):
                 outside = [self._outside.get(index) for index in range(len(self._distinct()))]
-                self._costs = measure_chain(self.trainer, outside_flops=False, outside=outside, widths=self.widths)
+                self._costs = measure_chain(
+                    self.trainer, outside_flops=False, outside=outside, widths=self.widths, offload=self.offload
+                )
         return self._costs
 
     def _distinct(self) -> list[tuple[Any, float, int]]:
@@ -351,7 +356,11 @@ def _agreed_across_ranks(placement: CheckpointPlacement, budget: int) -> Account
 
 
 def apply_optimal_checkpointing(
-    trainer: Any, budget_mb: float, blocks: Sequence[str] = (), widths: Sequence[int] = ()
+    trainer: Any,
+    budget_mb: float,
+    blocks: Sequence[str] = (),
+    widths: Sequence[int] = (),
+    offload: float | None = None,
 ) -> OptimalCheckpointing:
     """Apply to ``trainer``'s model the cheapest schedule whose accounted activations fit ``budget_mb``
     (MB = 1e6 bytes); raise ``BudgetTooSmall`` (a ConfigError) when none does.
@@ -362,13 +371,16 @@ def apply_optimal_checkpointing(
     widths: the widths (bits) a stored block may be compressed at (``checkpointing.compress`` and
         wider, ``lowmem.techniques.compression.allowed_widths``; the model must have compression
         hooks installed); empty: every block is kept or recomputed, as before.
+    offload: the host link's price in FLOPs per byte (``lowmem.techniques.offload.link_flops_per_byte``)
+        when a stored block may be offloaded (the model must have offload hooks installed with
+        ``everywhere=False``); None: no block is.
     """
     if budget_mb is None or not math.isfinite(budget_mb) or budget_mb <= 0:
         raise ConfigError(f"checkpointing.budget_mb={budget_mb!r} is not allowed: a finite number of MB > 0")
     ensure_chains(trainer.unwrapped_model, blocks)
     budget = round(budget_mb * MB)
     reused = _REUSED.get()
-    placement = CheckpointPlacement(trainer, widths) if reused is None else reused.moved_to(trainer)
+    placement = CheckpointPlacement(trainer, widths, offload) if reused is None else reused.moved_to(trainer)
     best = _agreed_across_ranks(placement, budget)
     result = OptimalCheckpointing(
         placement.apply(best),

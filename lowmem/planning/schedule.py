@@ -17,8 +17,9 @@ and while the model's head runs forward and backward (every segment stored)
     outside_peak + sum of stored(s') over all segments.
 
 - stored(s): a stored block keeps what it saves for backward (compressed at 8, 4 or 2 bits, when
-  ``checkpointing.compress`` allows it: its codes, ranges and sign masks); a checkpointed segment
-  its input.
+  ``checkpointing.compress`` allows it: its codes, ranges and sign masks; offloaded to host memory,
+  when ``checkpointing.offload`` allows it: what stays on the device, its small tensors); a
+  checkpointed segment its input.
 - work(s), the most alive while one of its blocks k is backpropagated (last block first):
   stored block: its own peak alone (what it saved, the gradient coming in, those it computes);
   all_at_once: the recomputed graphs of the blocks before k, plus k's peak as a one-block segment,
@@ -29,14 +30,18 @@ and while the model's head runs forward and backward (every segment stored)
   ``recursively`` the forward of every block but the last (the sweep recomputing block inputs) and
   every block's rebuilt graph (without a last convolution whose output is never read); a
   compressed stored block adds its quantization passes (``lowmem.techniques.compression``'s
-  FLOP-equivalents per element quantized and read back, as the accounting counts them).
+  FLOP-equivalents per element quantized and read back, as the accounting counts them); an
+  offloaded one the transfer time its own compute cannot hide, as FLOP-equivalents at the measured
+  host link (``lowmem.techniques.offload.exposed_transfer_flops``). An offloaded block's work is its
+  stored peak: backward brings what it saved back to the device before it runs.
 
 The peak is a maximum of sums over prefixes of the chain, so a pass over block positions that keeps,
 per position, the Pareto set of (bytes stored so far, cost so far) finds the model's exact optimum:
 a partial schedule worse in both can never complete into a better one. Cost is compared as
-(FLOPs, blocks whose BN-ReLU is recomputed, how narrow the compressed blocks are): BN recomputation
-is not counted as FLOPs by ``torch.utils.flop_counter`` but takes time, so among equal FLOPs the
-plan recomputes least; every width costs the same passes, so among those it keeps the widest. The
+(FLOPs, blocks whose BN-ReLU is recomputed, how narrow the compressed blocks are and how many are
+offloaded): BN recomputation is not counted as FLOPs by ``torch.utils.flop_counter`` but takes time,
+so among equal FLOPs the plan recomputes least; every width costs the same passes, so among those it
+keeps the widest, and it keeps on the device what it can offload for free. The
 model is an estimate of the real accounting (context tensors read by every block count once per
 block, for one); ``lowmem.planning.optimal`` verifies the chosen schedule by the real accounting
 and adjusts the budget it gives this module until the real figure fits.
@@ -68,6 +73,9 @@ class BlockCosts:
     routes_norm: bool  # can recompute BN-ReLU (routes its triples through norm_relu_conv)
     # Stored compressed, per (recompute_norm, bits): (stored bytes, peak bytes, FLOPs) as above.
     compressed: Mapping[tuple[bool, int], tuple[int, int, int]] = field(default_factory=dict)
+    # Stored offloaded, per recompute_norm: (bytes left on the device, peak bytes, FLOPs with the
+    # exposed transfer's FLOP-equivalents); empty: offloading is not an option.
+    offloaded: Mapping[bool, tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -117,8 +125,11 @@ def merge_stored(segments: Sequence[Segment]) -> tuple[Segment, ...]:
             and segment.backprop == previous.backprop == "stored"
             and (segment.recompute_norm == previous.recompute_norm)
             and segment.bits == previous.bits
+            and segment.offload == previous.offload
         ):
-            merged[-1] = Segment(previous.blocks + segment.blocks, "stored", segment.recompute_norm, segment.bits)
+            merged[-1] = Segment(
+                previous.blocks + segment.blocks, "stored", segment.recompute_norm, segment.bits, segment.offload
+            )
         else:
             merged.append(segment)
     return tuple(merged)
@@ -133,7 +144,7 @@ class _Option:
     work: int  # bytes alive at most while it is backpropagated
     flops: int
     norm_blocks: int  # blocks recomputing BN-ReLU
-    narrowing: int = 0  # compressed blocks weighted by how narrow: 8 bits 1, 4 bits 2, 2 bits 3
+    narrowing: int = 0  # compressed blocks weighted by how narrow (8 bits 1, 4 bits 2, 2 bits 3), offloaded 1
 
 
 def _norms(blocks: Sequence[BlockCosts]) -> tuple[bool, ...]:
@@ -146,6 +157,9 @@ def _option(blocks: Sequence[BlockCosts], segment: Segment) -> _Option:
     norm_blocks = len(blocks) if norm else 0
     if segment.backprop == "stored":
         (block,) = blocks
+        if segment.offload:
+            stored, peak, flops = block.offloaded[norm]
+            return _Option(segment, stored, peak, flops, norm_blocks, 1)
         if segment.bits is not None:
             stored, peak, flops = block.compressed[(norm, segment.bits)]
             return _Option(segment, stored, peak, flops, norm_blocks, {8: 1, 4: 2, 2: 3}[segment.bits])
@@ -178,6 +192,8 @@ def _options(costs: ChainCosts) -> list[list[_Option]]:
                 for compressed_norm, bits in costs.blocks[a].compressed:
                     if compressed_norm == norm:
                         options[a].append(_option(costs.blocks[a : a + 1], Segment(1, "stored", norm, bits)))
+                if norm in costs.blocks[a].offloaded:
+                    options[a].append(_option(costs.blocks[a : a + 1], Segment(1, "stored", norm, offload=True)))
             for b in range(a + 1, stop + 1):
                 blocks = costs.blocks[a:b]
                 for norm in _norms(blocks):
@@ -306,6 +322,7 @@ def _split_stored(segments: Sequence[Segment]) -> Iterator[Segment]:
     """Stored segments one block at a time (the unit the model prices), others as they are."""
     for segment in segments:
         if segment.backprop == "stored":
-            yield from (Segment(1, "stored", segment.recompute_norm, segment.bits) for _ in range(segment.blocks))
+            one = Segment(1, "stored", segment.recompute_norm, segment.bits, segment.offload)
+            yield from (one for _ in range(segment.blocks))
         else:
             yield segment

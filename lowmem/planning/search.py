@@ -17,6 +17,12 @@ Searched knobs (one fixed on the command line is searched over its value only):
   with ``optimal`` only (its schedule compresses the stored blocks it chooses, at that width or
   wider; every trainer of the search then carries compression hooks without a width of their own,
   which change no figure until a schedule sets one). Without it nothing is compressed, as before.
+- ``checkpointing.offload``, when the command line allows it (``checkpointing.offload=true``, a
+  CUDA device): ``optimal``'s dynamic program may offload stored blocks, priced at the host link
+  measured once (``lowmem.techniques.offload.link_flops_per_byte``). Offloading is exact, so it is
+  no level of the preference below: a schedule offloads where that costs fewer FLOP-equivalents
+  than recomputing or compressing, and so may let a larger microbatch fit. On a CPU it is refused,
+  as ``lowmem.train`` refuses it.
 
 Preference, in this order: the highest density (accuracy: the report's Tables 3 and 4 lose accuracy
 as density falls), then the widest optimizer state (the precision's own width, then 8, then 4 bits:
@@ -75,7 +81,8 @@ from lowmem.profiler import MB, StateBytes, account_state, profile_trainer, step
 from lowmem.sharding import planned_gathered_bytes
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.compression import allowed_widths, apply_compression, compression_of, validate_compress
-from lowmem.trainer import Trainer, build_trainer
+from lowmem.techniques.offload import apply_offload, link_flops_per_byte, offload_of
+from lowmem.trainer import Trainer, build_trainer, resolve_device
 
 DENSITIES = (1.0, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05)  # the report's Table 3 / 4 and figure values
 PRECISIONS = ("fp32", "fp16")  # preference order among equal FLOPs
@@ -86,8 +93,12 @@ FIXED_STRATEGIES = (
 # Command-line knobs the planner chooses; fixing one restricts the search to its value.
 SEARCHED = (
     "sparsity.density", "precision", "optim.state_bits", "microbatch.size", "checkpointing.strategy",
-    "checkpointing.every", "checkpointing.compress",
+    "checkpointing.every", "checkpointing.compress", "checkpointing.offload",
 )  # fmt: skip
+# How optimal's stored blocks may keep what they save: (checkpointing.compress's narrowest width or
+# None, whether they may be offloaded).
+Saves = tuple[int | None, bool]
+PLAIN: Saves = (None, False)
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,7 @@ class Candidate:
     state_bits: int | None = None  # optim.state_bits: 8 or 4; None: the precision's own width
     temporary_bytes: int = 0  # a real step's temporaries beyond the accounting (step_temporaries)
     compress: int | None = None  # checkpointing.compress (optimal only): the narrowest width allowed
+    offload: bool = False  # checkpointing.offload: optimal's schedule offloads blocks
 
     @property
     def total_bytes(self) -> int:
@@ -125,8 +137,9 @@ class Candidate:
 
     @property
     def checkpointing(self) -> str:
-        if self.compress is not None:
-            return f"{self.strategy} {self.compress}-bit"
+        if self.compress is not None or self.offload:
+            forms = [f"{self.compress}-bit"] if self.compress is not None else []
+            return " ".join([self.strategy, *forms, *(["offload"] if self.offload else [])])
         return f"{self.strategy}/{self.every}" if self.strategy in ("residual", "residual_star") else self.strategy
 
     def knobs(self) -> dict[str, str]:
@@ -142,6 +155,8 @@ class Candidate:
             knobs["checkpointing.budget_mb"] = repr(self.budget_bytes / MB)  # round(x * MB) gives the bytes back
         if self.compress is not None:
             knobs["checkpointing.compress"] = f"{self.compress}"
+        if self.offload:
+            knobs["checkpointing.offload"] = "true"
         return knobs
 
 
@@ -183,8 +198,10 @@ class Planner:
                 "set the budget with plan.budget_mb"
             )
         self.budget = budget_bytes
-        # checkpointing.compress on the command line is the narrowest width allowed, searched down to.
-        self.fixed = {knob_of(o) for o in given if knob_of(o) in SEARCHED} - {"checkpointing.compress"}
+        # checkpointing.compress on the command line is the narrowest width allowed, searched down to;
+        # checkpointing.offload=true allows offloading, searched (on CUDA) after keeping on the device.
+        allowed = {"checkpointing.compress", "checkpointing.offload"}
+        self.fixed = {knob_of(o) for o in given if knob_of(o) in SEARCHED} - allowed
         self.base = [o for o in given if knob_of(o) not in SEARCHED]
         self.cfg = compose_config(*given)
         cfg = self.cfg
@@ -216,6 +233,8 @@ class Planner:
             strategies = [(s, cfg.checkpointing.every if e is not None else None) for s, e in strategies]
         self.strategies = tuple(dict.fromkeys(strategies))
         self.compressions = self._compressions()
+        self.offload_allowed = self._offload_allowed()
+        self.saves: tuple[Saves, ...] = tuple((compress, self.offload_allowed) for compress in self.compressions)
         self._states: dict[tuple[float, str, int | None], StateBytes] = {}
         self._temporaries: dict[tuple[float, str, int | None], int] = {}
         self._trainers: dict[tuple[str, int | None], Trainer | None] = {}
@@ -256,6 +275,26 @@ class Planner:
             )
         return (None, *allowed_widths(narrowest))
 
+    def _offload_allowed(self) -> bool:
+        """Whether optimal's schedules may offload blocks: where the command line allows it (a CUDA
+        device's run). Offloading is exact, so it is no level of the preference: the dynamic program
+        offloads a block where that costs fewer FLOP-equivalents at the measured host link than
+        recomputing or compressing it, which may let a larger microbatch fit."""
+        if not self.cfg.checkpointing.offload:
+            return False
+        device = resolve_device(self.cfg.trainer.device)
+        if device.type != "cuda":
+            raise ConfigError(
+                "checkpointing.offload=true needs a CUDA device (it copies saved activations to pinned host memory "
+                f"on a side stream); this plan is for {device.type}: use checkpointing.offload=false"
+            )
+        if not self._optimal_allowed:
+            raise ConfigError(
+                "checkpointing.offload=true is planned with checkpointing.strategy=optimal only (whose schedule "
+                "offloads the blocks it chooses); leave checkpointing.strategy unset, or set it to optimal"
+            )
+        return True
+
     # --- the search ----------------------------------------------------------------------------
     def search(self, top: int, first: Callable[[Candidate], None] | None = None) -> list[Candidate]:
         """Up to ``top`` configurations that fit, best first (the preference order). ``first`` is
@@ -264,7 +303,7 @@ class Planner:
         found: list[Candidate] = []
         with _quiet_builds():
             levels = sorted({_quantization(b) for bits in self.state_bits.values() for b in bits})
-            for density, level, compress in itertools.product(self.densities, levels, self.compressions):
+            for density, level, saves in itertools.product(self.densities, levels, self.saves):
                 pairs = [
                     (precision, bits)
                     for precision in self.precisions
@@ -274,7 +313,7 @@ class Planner:
                 # Per precision and state bits, the microbatch sizes worth accounting at this density.
                 sizes = {pair: self._sizes_that_may_fit(density, *pair) for pair in pairs}
                 tasks = [
-                    (density, *pair, microbatch, compress)
+                    (density, *pair, microbatch, saves)
                     for microbatch in self.microbatches
                     for pair in pairs
                     if microbatch in sizes[pair]
@@ -335,22 +374,22 @@ class Planner:
 
             yield next_task
 
-    def export(self, precision: str, microbatch: int | None, compress: int | None = None) -> dict:
-        """What this planner measured and accounted for (precision, microbatch, compress): plain data."""
+    def export(self, precision: str, microbatch: int | None, saves: Saves | None = None) -> dict:
+        """What this planner measured and accounted for (precision, microbatch, saves): plain data."""
         key = (precision, microbatch)
-        placement, accounting = self._placements.get((*key, compress)), self._accountings.get(key)
+        placement, accounting = self._placements.get((*key, saves or self.saves[0])), self._accountings.get(key)
         return {
             "placement": None if placement is None else placement.found(),
             "figures": None if accounting is None else accounting.found(),
             "refused": {refused for refused in self._refused if refused[:2] == key},
         }
 
-    def merge(self, precision: str, microbatch: int | None, data: dict, compress: int | None = None) -> None:
-        """Take another process's ``export`` for (precision, microbatch, compress) into the caches."""
+    def merge(self, precision: str, microbatch: int | None, data: dict, saves: Saves | None = None) -> None:
+        """Take another process's ``export`` for (precision, microbatch, saves) into the caches."""
         if self._trainer_for(precision, microbatch) is None:
             return
         if data["placement"] is not None:
-            self._placement(precision, microbatch, compress).merge(data["placement"])
+            self._placement(precision, microbatch, saves).merge(data["placement"])
         if data["figures"] is not None:
             self._accounting(precision, microbatch).merge(data["figures"])
         self._refused |= data["refused"]
@@ -381,10 +420,10 @@ class Planner:
                 for s, e in self.strategies
             ]
         found = []
-        for compress in self.compressions:
-            least = self._placement(precision, microbatch, compress).smallest()
+        for saves in self.saves:
+            least = self._placement(precision, microbatch, saves).smallest()
             room = least.activation_bytes
-            found.append(self._optimal(density, precision, bits, microbatch, state, least, room, temporary, compress))
+            found.append(self._optimal(density, precision, bits, microbatch, state, least, room, temporary, saves))
         return found
 
     def overrides(self, candidate: Candidate) -> list[str]:
@@ -392,6 +431,8 @@ class Planner:
         overrides = [f"{knob}={value}" for knob, value in candidate.knobs().items() if knob not in self.fixed]
         if candidate.compress is None and len(self.compressions) > 1:  # the command line allowed compression
             overrides.append("checkpointing.compress=none")
+        if not candidate.offload and self.offload_allowed:  # ... or offloading
+            overrides.append("checkpointing.offload=false")
         return overrides
 
     def compose(self, candidate: Candidate) -> DictConfig:
@@ -402,7 +443,8 @@ class Planner:
         """Drop the search's trainers and accountings (models, fake-pass caches), keeping only the
         placements ``keep``'s optimal schedules are built from: what the search leaves alive is not
         the chosen run's, and is freed before that run is built and measured."""
-        needed = {(c.precision, c.microbatch, c.compress) for c in keep if c.strategy == "optimal"}
+        allowed = self.offload_allowed
+        needed = {(c.precision, c.microbatch, (c.compress, allowed)) for c in keep if c.strategy == "optimal"}
         self._placements = {key: placement for key, placement in self._placements.items() if key in needed}
         self._trainers.clear()
         self._accountings.clear()
@@ -414,7 +456,7 @@ class Planner:
         measuring again (the caller accounts the trainer, and builds again without ``reuse`` when the
         figures differ from the candidate's)."""
         cfg = self.compose(candidate)
-        key = (candidate.precision, candidate.microbatch, candidate.compress)
+        key = (candidate.precision, candidate.microbatch, (candidate.compress, self.offload_allowed))
         if not reuse or candidate.strategy != "optimal" or key not in self._placements:
             return self.build(cfg)
         with reusing_placement(self._placements[key]):
@@ -444,10 +486,13 @@ class Planner:
         return self.budget - state.model_bytes - state.optimizer_bytes - temporary
 
     def _fitting(
-        self, density: float, precision: str, bits: int | None, microbatch: int | None, compress: int | None = None
+        self, density: float, precision: str, bits: int | None, microbatch: int | None, saves: Saves | None = None
     ) -> list[Candidate]:
-        """The configurations at (density, precision, bits, microbatch, compress) whose total fits the
-        budget: with ``compress``, optimal schedules that compress (at that width or wider) only."""
+        """The configurations at (density, precision, bits, microbatch, saves) whose total fits the
+        budget: with a width (``saves``' first), optimal schedules that compress (at that width or
+        wider) only."""
+        saves = saves or self.saves[0]
+        compress = saves[0]
         state = self.state_bytes(density, precision, bits)
         if self._trainer_for(precision, microbatch) is None:
             return []
@@ -460,13 +505,13 @@ class Planner:
             # configuration's check adds, is kept free too (else every one of them is skipped there).
             room -= self._largest_op(precision, microbatch)
         # No schedule goes below optimal's smallest.
-        if self._optimal_allowed and not self._placement(precision, microbatch, compress).reaches(room):
+        if self._optimal_allowed and not self._placement(precision, microbatch, saves).reaches(room):
             return []
         if compress is not None:
-            accounted = self._placement(precision, microbatch, compress).cheapest(room)
+            accounted = self._placement(precision, microbatch, saves).cheapest(room)
             if "bit" not in str(accounted.plan):  # compresses nothing: listed without compression
                 return []
-            return [self._optimal(density, precision, bits, microbatch, state, accounted, room, temporary, compress)]
+            return [self._optimal(density, precision, bits, microbatch, state, accounted, room, temporary, saves)]
         fitting = []
         for strategy, every in self.strategies:
             if strategy != "optimal":
@@ -474,7 +519,7 @@ class Planner:
                 if candidate is not None:
                     fitting.append(candidate)
         if self._optimal_allowed:
-            accounted = self._placement(precision, microbatch).cheapest(room)
+            accounted = self._placement(precision, microbatch, saves).cheapest(room)
             # A schedule that is one of the fixed patterns is listed under its simpler name only.
             if not any((c.activation_bytes, c.flops) == (accounted.activation_bytes, accounted.flops) for c in fitting):
                 fitting.append(self._optimal(density, precision, bits, microbatch, state, accounted, room, temporary))
@@ -483,12 +528,13 @@ class Planner:
     @staticmethod
     def _optimal(
         density: float, precision: str, bits: int | None, microbatch: int | None, state: StateBytes,
-        accounted: AccountedSchedule, budget: int, temporary: int, compress: int | None = None,
+        accounted: AccountedSchedule, budget: int, temporary: int, saves: Saves = PLAIN,
     ) -> Candidate:  # fmt: skip
         """Optimal checkpointing within ``budget`` activation bytes, as ``accounted`` (its schedule)."""
+        schedule = str(accounted.plan)
         return Candidate(
             density, precision, microbatch, "optimal", None, budget, state.model_bytes, state.optimizer_bytes,
-            accounted.activation_bytes, accounted.flops, str(accounted.plan), bits, temporary, compress,
+            accounted.activation_bytes, accounted.flops, schedule, bits, temporary, saves[0], "offload" in schedule,
         )  # fmt: skip
 
     def _fixed(
@@ -639,6 +685,9 @@ class Planner:
                     if microbatch is None:  # the command line's own configuration fails: the user's error
                         raise
                     trainer = None  # only the microbatch size differs: token microbatches too small for a pair
+            if trainer is not None and self.offload_allowed and offload_of(trainer.unwrapped_model) is None:
+                # Hooks that offload only where a schedule says (installed first, as the trainer does).
+                install_offload(trainer.unwrapped_model, trainer.device)
             if trainer is not None and any(self.compressions) and compression_of(trainer.unwrapped_model) is None:
                 # Hooks without a width of their own: no figure changes until a schedule sets one.
                 apply_compression(trainer.unwrapped_model, None, seed=self.cfg.trainer.seed)
@@ -655,11 +704,15 @@ class Planner:
                 self._largest_ops[key] = profile_trainer(trainer, measure=False).step_temporaries["largest_op"]
         return self._largest_ops[key]
 
-    def _placement(self, precision: str, microbatch: int | None, compress: int | None = None) -> CheckpointPlacement:
-        key = (precision, microbatch, compress)
+    def _placement(self, precision: str, microbatch: int | None, saves: Saves | None = None) -> CheckpointPlacement:
+        """The placement at (precision, microbatch) with ``saves`` (default: uncompressed, offloading
+        where allowed)."""
+        saves = saves or self.saves[0]
+        key = (precision, microbatch, saves)
         if key not in self._placements:
             trainer = self._trainer_for(precision, microbatch)
-            self._placements[key] = CheckpointPlacement(trainer, allowed_widths(compress))
+            link = link_price(trainer) if saves[1] else None
+            self._placements[key] = CheckpointPlacement(trainer, allowed_widths(saves[0]), link)
         return self._placements[key]
 
     def _accounting(self, precision: str, microbatch: int | None) -> MinibatchAccounting:
@@ -667,6 +720,17 @@ class Planner:
         if key not in self._accountings:
             self._accountings[key] = MinibatchAccounting(self._trainer_for(precision, microbatch))
         return self._accountings[key]
+
+
+def install_offload(model: torch.nn.Module, device: torch.device) -> None:
+    """Offload hooks on a searched trainer's ``model`` that offload only where a schedule says."""
+    apply_offload(model, device=device, everywhere=False)
+
+
+def link_price(trainer: Trainer) -> float:
+    """The host link's price for ``trainer``'s device and compute dtype, in FLOPs per byte."""
+    policy = trainer.policy
+    return link_flops_per_byte(trainer.device, policy.autocast_dtype or policy.param_dtype)
 
 
 def _quantization(bits: int | None) -> int:

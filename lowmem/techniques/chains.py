@@ -58,7 +58,6 @@ block and input shape:
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import logging
 import weakref
@@ -74,7 +73,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lowmem.residual import residual_stacks
 from lowmem.techniques.block_checks import OutputFingerprint, argument_state, has_values
-from lowmem.techniques.compression import compressed_saves
+from lowmem.techniques.compression import compressed_saves, stored_saves
 from lowmem.techniques.norm_routing import route_norm_relu_conv, routed_forward
 from lowmem.techniques.recomputation import (
     Segment,
@@ -424,7 +423,7 @@ class ChainRunner:
     def set_segments(self, segments: Sequence[Segment] | None) -> None:
         """Run the blocks in ``segments`` (covering the chain exactly), or plainly (None)."""
         self._last = None
-        if segments is None or all(s.backprop == "stored" and s.bits is None for s in segments):
+        if segments is None or all(s.backprop == "stored" and s.bits is None and not s.offload for s in segments):
             self.plan = None
             return
         plan = []
@@ -442,8 +441,8 @@ class ChainRunner:
         usable = isinstance(x, torch.Tensor) and x.is_floating_point() and torch.is_grad_enabled()
         if self.plan is None or not usable or self.plan[index][1].backprop == "stored":
             self._last = None
-            bits = None if self.plan is None else self.plan[index][1].bits
-            with contextlib.nullcontext() if bits is None else compressed_saves(bits):
+            segment = Segment(1) if self.plan is None else self.plan[index][1]
+            with stored_saves(segment.bits, segment.offload):
                 return forward.plain(*args, **kwargs)
         number, segment = self.plan[index]
         last = self._last

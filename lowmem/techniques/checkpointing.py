@@ -39,7 +39,6 @@ parameter or state-dict key, so it composes with precision conversion and sparsi
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -59,7 +58,7 @@ from lowmem.residual import (
 )
 from lowmem.techniques.chains import find_block_chains, install_chains, installed_runners, route_blocks
 from lowmem.techniques.compact import conv2d_backward, dense_weight, trained_weight
-from lowmem.techniques.compression import compressed_saves
+from lowmem.techniques.compression import compressed_saves, stored_saves
 from lowmem.techniques.recomputation import (
     BACKPROPS,
     Segment,
@@ -142,13 +141,16 @@ def apply_schedule(model: nn.Module, schedules: Sequence[Sequence[Segment]]) -> 
             raise ValueError(f"residual stack {index} holds residual stacks in its blocks: schedules need flat stacks")
         segments = tuple(segments)
         malformed = any(
-            s.blocks < 1 or s.backprop not in BACKPROPS or (s.bits is not None and s.backprop != "stored")
+            s.blocks < 1
+            or s.backprop not in BACKPROPS
+            or ((s.bits is not None or s.offload) and s.backprop != "stored")
             for s in segments
         )
         if malformed or sum(s.blocks for s in segments) != len(blocks):
             raise ValueError(
                 f"schedule {' '.join(map(str, segments))} does not cover the {len(blocks)} blocks of residual stack "
-                f"{index}: segments of >= 1 blocks, backprop one of {', '.join(BACKPROPS)} (a width only when stored)"
+                f"{index}: segments of >= 1 blocks, backprop one of {', '.join(BACKPROPS)} (a width or offload only "
+                "when stored)"
             )
         start = 0
         for segment in segments:
@@ -160,7 +162,7 @@ def apply_schedule(model: nn.Module, schedules: Sequence[Sequence[Segment]]) -> 
                     )
                 set_recompute_norm(block, segment.recompute_norm)
             start += segment.blocks
-        stored = all(segment.backprop == "stored" and segment.bits is None for segment in segments)
+        stored = all(s.backprop == "stored" and s.bits is None and not s.offload for s in segments)
         set_block_executor(stack, run_sequentially if stored else functools.partial(run_segments, segments=segments))
 
 
@@ -240,7 +242,7 @@ def run_segments(
         part = blocks[start : start + segment.blocks]
         start += segment.blocks
         if segment.backprop == "stored":
-            with contextlib.nullcontext() if segment.bits is None else compressed_saves(segment.bits):
+            with stored_saves(segment.bits, segment.offload):
                 x = run_sequentially(part, x, context)
             continue
         # Parameters are explicit inputs so their gradients are returned through autograd (hooks,

@@ -83,6 +83,9 @@ _UNSET = object()
 # The width saved tensors are stored at where a schedule sets one (``compressed_saves``): None
 # keeps them as they are; unset: the hooks' own width.
 _WIDTH: ContextVar[Any] = ContextVar("lowmem_compressed_width", default=_UNSET)
+# Whether saved tensors are offloaded where a schedule says (``offloaded_saves``); unset: as the
+# offload hooks' own setting says.
+_OFFLOADED: ContextVar[Any] = ContextVar("lowmem_offloaded", default=_UNSET)
 
 
 def validate_compress(value: Any) -> int | None:
@@ -270,6 +273,36 @@ def compressed_saves(bits: int | None) -> Iterator[None]:
         _WIDTH.reset(token)
 
 
+@contextlib.contextmanager
+def offloaded_saves(offload: bool = True) -> Iterator[None]:
+    """Inside, tensors saved for backward are offloaded to host memory (``offload``) or kept on the
+    device, whatever the installed offload hooks' own setting (``lowmem.techniques.offload``): a
+    schedule's stored segment."""
+    token = _OFFLOADED.set(offload)
+    try:
+        yield
+    finally:
+        _OFFLOADED.reset(token)
+
+
+def offloaded_here(everywhere: bool) -> bool:
+    """Whether a tensor saved now is offloaded, by hooks that offload ``everywhere`` unless told."""
+    chosen = _OFFLOADED.get()
+    return everywhere if chosen is _UNSET else chosen
+
+
+@contextlib.contextmanager
+def stored_saves(bits: int | None, offload: bool) -> Iterator[None]:
+    """How a stored segment keeps what it saves: compressed at ``bits`` (None: as the hooks' own
+    width says), offloaded when ``offload`` (else as the offload hooks say)."""
+    with contextlib.ExitStack() as saves:
+        if bits is not None:
+            saves.enter_context(compressed_saves(bits))
+        if offload:
+            saves.enter_context(offloaded_saves())
+        yield
+
+
 class _Packed:
     """What autograd holds for one saved tensor: its stored form, each part handed to the saved-tensor
     hooks that were active outside (``outer``: their pack results, read back with their unpack)."""
@@ -310,6 +343,15 @@ class ForwardSavedTensorHooks:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """The hooks on for the body (a block run alone, as the planner measures it)."""
+        self._push()
+        try:
+            yield
+        finally:
+            self._pop()
 
     def _starts(self, args: tuple) -> None:
         """A forward starts, given ``args``: reset what the subclass counts per forward."""
@@ -360,16 +402,6 @@ class ActivationCompression(ForwardSavedTensorHooks):
     def start_microbatch(self, step: int, microbatch: int) -> None:
         """Draw the next forward's random bits for microbatch ``microbatch`` of step ``step``."""
         self.key = fmix32(tensor_keys(self.seed ^ _SALT, step, 1)[0] ^ fmix32(microbatch & _MASK32))
-
-    # --- module hooks ---------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def saving(self) -> Iterator[None]:
-        """The hooks on for the body (a block run alone, as the planner measures it)."""
-        self._push()
-        try:
-            yield
-        finally:
-            self._pop()
 
     def _starts(self, args: tuple) -> None:
         self._count, self.compressed_bytes = 0, 0

@@ -38,7 +38,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lowmem.profiler.activations import SAVED_FORM
-from lowmem.techniques.compression import ForwardSavedTensorHooks, is_model_state
+from lowmem.techniques.compression import ForwardSavedTensorHooks, is_model_state, offloaded_here
 
 log = logging.getLogger("lowmem")
 MIN_BYTES = 1 << 16  # smaller saved tensors stay on the device (the copy's latency outweighs them)
@@ -162,8 +162,15 @@ class ActivationOffload(ForwardSavedTensorHooks):
     by two nodes counts twice) left on the device because the pool was full.
     """
 
-    def __init__(self, model: nn.Module, streams: Streams, prefetch: int = PREFETCH, max_bytes: int = MAX_POOL_BYTES):
-        self.streams, self.prefetch = streams, prefetch
+    def __init__(
+        self,
+        model: nn.Module,
+        streams: Streams,
+        prefetch: int = PREFETCH,
+        max_bytes: int = MAX_POOL_BYTES,
+        everywhere: bool = True,
+    ):
+        self.streams, self.prefetch, self.everywhere = streams, prefetch, everywhere
         self.pool = PinnedPool(streams, max_bytes)
         self.offloaded_bytes = self.kept_for_room = 0
         self._order: list[weakref.ref] = []  # this forward's offloaded tensors, in pack order
@@ -180,6 +187,8 @@ class ActivationOffload(ForwardSavedTensorHooks):
     def _pack(self, tensor: torch.Tensor) -> _Offloaded | _Kept:
         nbytes = tensor.numel() * tensor.element_size()
         compressed = getattr(tensor, SAVED_FORM, None) == "compressed"  # codes: no history, not model state
+        if not offloaded_here(self.everywhere):  # a schedule keeps this segment's saves on the device
+            return _Kept(tensor, self._outer)
         if nbytes < MIN_BYTES or (not compressed and is_model_state(tensor, self._state_shapes)):
             return _Kept(tensor, self._outer)
         cached = getattr(tensor, "_lowmem_offloaded", None)
@@ -234,9 +243,12 @@ def apply_offload(
     device: torch.device | None = None,
     prefetch: int = PREFETCH,
     max_bytes: int = MAX_POOL_BYTES,
+    everywhere: bool = True,
 ) -> ActivationOffload:
     """Offload what ``model``'s forward saves for backward to pinned host memory (CUDA ``device``, or
-    the given ``streams``). Changes no module, parameter or state-dict key; ``remove()`` takes it off."""
+    the given ``streams``): everything (``everywhere``), or only where a schedule's stored segment
+    says (``Segment.offload``: ``checkpointing.strategy=optimal`` chooses per block). Changes no
+    module, parameter or state-dict key; ``remove()`` takes it off."""
     if streams is None:
         if device is None or device.type != "cuda":
             where = getattr(device, "type", device)
@@ -248,7 +260,7 @@ def apply_offload(
     previous = offload_of(model)
     if previous is not None:
         previous.remove()
-    hooks = ActivationOffload(model, streams, prefetch, max_bytes)
+    hooks = ActivationOffload(model, streams, prefetch, max_bytes, everywhere)
     object.__setattr__(model, "_lowmem_offload", hooks)  # a plain attribute: no state-dict key
     return hooks
 
@@ -256,3 +268,58 @@ def apply_offload(
 def offload_of(model: nn.Module) -> ActivationOffload | None:
     """The offload hooks installed on ``model`` (``apply_offload``), or None."""
     return model.__dict__.get("_lowmem_offload")
+
+
+# --- what offloading costs (the planner's price) -----------------------------------------------
+
+
+def exposed_transfer_flops(host_bytes: int, forward_flops: int, backward_flops: int, flops_per_byte: float) -> int:
+    """FLOP-equivalents of offloading a stored block's ``host_bytes`` that its own compute cannot
+    hide: the copy out runs beside the block's forward, the copy back (prefetched) beside its
+    backward, each taking ``host_bytes * flops_per_byte`` FLOP-times (``link_flops_per_byte``).
+    What the copies could also hide behind neighbouring blocks is not counted: a bound from above,
+    so the planner offloads only where it is surely cheap."""
+    transfer = host_bytes * flops_per_byte
+    return round(max(0.0, transfer - forward_flops) + max(0.0, transfer - backward_flops))
+
+
+_LINKS: dict[tuple[str, torch.dtype], float] = {}
+
+
+def link_flops_per_byte(device: torch.device, dtype: torch.dtype, nbytes: int = 64 << 20) -> float:
+    """The device's matrix-product rate over its host link's, in FLOPs per byte copied, measured
+    once per process and (device, dtype) on CUDA: the slower direction of an ``nbytes`` pinned copy,
+    and a 4096 x 4096 product in ``dtype``. An H100 over PCIe 5 is about 10,000: a block must do that
+    many FLOPs per byte it saves for its offload to hide."""
+    key = (str(device), dtype)
+    if key not in _LINKS:
+        if device.type != "cuda":
+            raise ValueError(f"offloading is priced on CUDA only; this is {device.type}")
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        seconds = []
+        for destination, source in ((host, on_device), (on_device, host)):
+            destination.copy_(source, non_blocking=True)  # warm-up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(3):
+                destination.copy_(source, non_blocking=True)
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 3e3)
+        matrix = torch.randn(4096, 4096, device=device).to(dtype if dtype.is_floating_point else torch.float32)
+        matrix @ matrix  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            matrix @ matrix
+        end.record()
+        end.synchronize()
+        rate = 5 * 2 * 4096**3 / (start.elapsed_time(end) / 1e3)
+        bandwidth = nbytes / max(seconds)
+        _LINKS[key] = rate / bandwidth
+        log.info(
+            "checkpointing.offload: host link %.1f GB/s (slower direction), %s products %.1f TFLOP/s: %.0f FLOPs per "
+            "byte offloaded to hide", bandwidth / 1e9, dtype, rate / 1e12, _LINKS[key]
+        )  # fmt: skip
+    return _LINKS[key]

@@ -36,16 +36,21 @@ class Segment:
     bits: a stored segment's saved activations are stored compressed at this width (8, 4, 2;
         ``lowmem.techniques.compression``, whose hooks must be installed on the model); None: as
         the hooks' own width says (none installed: as they are).
+    offload: a stored segment's saved activations are offloaded to host memory
+        (``lowmem.techniques.offload``, whose hooks must be installed on the model without offloading
+        everything: ``apply_offload(..., everywhere=False)``); False: as the hooks say.
     """
 
     blocks: int
     backprop: str = "stored"
     recompute_norm: bool = False
     bits: int | None = None
+    offload: bool = False
 
     def __str__(self) -> str:
         compressed = f"/{self.bits}bit" if self.bits is not None else ""
-        return f"{self.backprop}{'/no_bn' if self.recompute_norm else ''}{compressed}:{self.blocks}"
+        offloaded = "/offload" if self.offload else ""
+        return f"{self.backprop}{'/no_bn' if self.recompute_norm else ''}{compressed}{offloaded}:{self.blocks}"
 
 
 # --- state replayed or isolated during recomputation -------------------------------------------
