@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-translation test test-fast lint bench bench-accuracy bench-compress-accuracy gpu-check gpu-report fairseq docs clean-venv
+.PHONY: demo demo-translation test test-fast lint bench bench-accuracy bench-compress-accuracy bench-fsdp gpu-check gpu-report fairseq docs clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ bench-accuracy: $(STAMP)
 # 8, 4, 2 bits) and DynamicConv on phrases (none, 8) over 3 seeds (resumable: outputs/bench_compress).
 bench-compress-accuracy: $(STAMP)
 	$(PY) scripts/bench_compress.py --part accuracy --seeds 0 1 2 --json outputs/bench_compress/accuracy.json
+
+# Sharded training (trainer.parallel=fsdp) on CPU with gloo: rank 0's memory at 1/2/4 ranks, and WRN-28-2's
+# full combination on digits in one process against 2 ranks over 3 seeds (resumable: outputs/bench_fsdp).
+bench-fsdp: $(STAMP)
+	$(PY) scripts/bench_fsdp.py --part all --seeds 0 1 2 --json outputs/bench_fsdp/figures.json
 
 # Optional: fairseq (a Python 3.11 fork, built against the installed torch, ~4 min) for the parity
 # tests in tests/test_fairseq_parity.py, which are skipped without it.

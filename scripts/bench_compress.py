@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lowmem.run.files import measured_on  # noqa: E402
 from scripts.bench_state_bits import SMALL_DC, train  # noqa: E402
 
 MB = 1e6
@@ -190,9 +191,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_compress")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
-    import torch
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
     figures = {}
     if args.part in ("memory", "all"):
         figures["memory"] = memory_part()
