@@ -139,10 +139,11 @@ class _Handle:
     """What autograd stores for a saved tensor while the tracer is on: a detached alias (no
     reference cycle through ``grad_fn``); its death means autograd released the tensor."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("tensor", "offloaded", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
+        self.offloaded = 0  # an offloaded tensor's bytes, until backward fetches it back
 
 
 class _Entry:
@@ -307,6 +308,7 @@ class ActivationTracer(TorchDispatchMode):
             nbytes = tensor.untyped_storage().nbytes()
             self.host_live += nbytes
             self.host_peak = max(self.host_peak, self.host_live)
+            handle.offloaded = nbytes
             weakref.finalize(handle, self._host_released, nbytes)
             return handle
         if self._saved_by_relu_itself(tensor):
@@ -326,9 +328,15 @@ class ActivationTracer(TorchDispatchMode):
     def _host_released(self, nbytes: int) -> None:
         self.host_live -= nbytes
 
-    @staticmethod
-    def _unpack(packed: torch.Tensor | _Handle) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Handle) else packed
+    def _unpack(self, packed: torch.Tensor | _Handle) -> torch.Tensor:
+        if not isinstance(packed, _Handle):
+            return packed
+        if packed.offloaded:  # fetched back: on the device again until autograd releases it
+            key = next(self._mask_keys)
+            weakref.finalize(packed, self.ledger.release, key)
+            self.ledger.acquire(key, packed.offloaded, "saved", 0, "offloaded")
+            packed.offloaded = 0
+        return packed.tensor
 
     @staticmethod
     def _saved_by_relu_itself(tensor: torch.Tensor) -> bool:

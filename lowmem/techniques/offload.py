@@ -22,7 +22,8 @@ installed after offloading hands its codes to it). Each saved activation of at l
 
 A tensor saved by several nodes is offloaded once. In the accounting's fake pass (CPU stand-ins:
 ``lowmem.profiler.activations``) the hooks hand on a stand-in marked ``offloaded``: counted as host
-bytes, not as device activations. On a CPU the hooks would copy memory to itself: a CPU run is
+bytes, not as device activations, until backward fetches it back (prefetches included), from when
+its device copy counts as a saved activation until autograd releases it. On a CPU the hooks would copy memory to itself: a CPU run is
 refused at set-up (``lowmem.trainer.start_run``). ``Streams`` is the one place that touches CUDA:
 tests drive the hooks through a test double of it on a CPU.
 """
@@ -132,12 +133,13 @@ class PinnedPool:
 class _Offloaded:
     """One saved tensor in host memory: where, how to rebuild it, and its fetch once issued."""
 
-    __slots__ = ("position", "buffer", "meta", "stored", "fetched", "fetch_event", "__weakref__")
+    __slots__ = ("position", "buffer", "meta", "stored", "fetched", "fetch_event", "unpack_outer", "__weakref__")
 
     def __init__(self, position: int, buffer: torch.Tensor, meta: torch.Tensor, stored: Any) -> None:
         self.position, self.buffer, self.meta, self.stored = position, buffer, meta, stored
         self.fetched: torch.Tensor | None = None
         self.fetch_event: Any = None
+        self.unpack_outer: Any = None  # the accounting's pass: the outer hooks read it back (a fetch)
 
 
 class _Kept:
@@ -199,7 +201,10 @@ class ActivationOffload(ForwardSavedTensorHooks):
             setattr(stand_in, SAVED_FORM, "offloaded")
             stored = stand_in if self._outer is None else self._outer[0](stand_in)
             item = _Offloaded(len(self._order), stand_in, stand_in, stored)
-            item.fetched = stand_in
+            if self._outer is None:
+                item.fetched = stand_in
+            else:  # the outer hooks (the accounting) see backward fetch it back to the device
+                item.unpack_outer = self._outer[1]
         else:
             buffer = self.pool.take(nbytes)
             if buffer is None:
@@ -233,7 +238,9 @@ class ActivationOffload(ForwardSavedTensorHooks):
         return packed.fetched
 
     def _fetch(self, item: _Offloaded) -> None:
-        if item.fetched is None:
+        if item.fetched is None and item.unpack_outer is not None:
+            item.fetched = item.unpack_outer(item.stored)
+        elif item.fetched is None:
             item.fetched, item.fetch_event = self.streams.to_device(item.buffer, item.meta, item.stored)
 
 
