@@ -47,6 +47,7 @@ from lowmem.profiler.state import _state_entry_bytes, csr_index_bytes
 from lowmem.residual import residual_stacks
 from lowmem.techniques.chains import find_block_chains, installed_runners
 from lowmem.techniques.compact import SHARED_VALUES, compact_modules, compact_state_dict_keys, dense_weight
+from lowmem.techniques.precision import NORMALIZATION_TYPES
 from lowmem.techniques.shards import full, local, write_full
 from lowmem.techniques.shards import is_sharded as is_sharded_tensor
 from lowmem.techniques.sparsity import DynamicSparsity
@@ -83,6 +84,7 @@ def shard_model(
     device: torch.device,
     *,
     param_dtype: torch.dtype,
+    autocast_dtype: torch.dtype | None = None,
     blocks: Sequence[str] = (),
     reshard_after_forward: bool = True,
     reduce_dtype: str | None = None,
@@ -90,17 +92,35 @@ def shard_model(
 ) -> nn.Module:
     """``fully_shard`` ``model`` (in place; it is returned) over every rank of the default process
     group, in the order of the module docstring. ``param_dtype``: the dtype of the weights outside
-    the normalization layers; ``reduce_dtype``: ``precision.reduce_dtype``."""
+    the normalization layers; ``autocast_dtype``: ``precision=amp``'s (None otherwise);
+    ``reduce_dtype``: ``precision.reduce_dtype``.
+
+    ``precision=amp`` is FSDP2's own mixed precision over FP32 shards: each unit's weights are
+    gathered in ``autocast_dtype`` (what autocast would cast them to for every convolution and
+    matrix product, so those compute on the same bits as one process under autocast), and their
+    gradients reduce-scattered in FP32 unless ``reduce_dtype`` says otherwise (in the gathered
+    16 bits, the mean of N ranks' gradients would be rounded to 16 bits, which one process's FP32
+    gradients are not). Normalization layers keep their FP32 weights, as under autocast."""
     join_single_process_group(device)
     if sparsity is not None and sparsity.compact is not None:
         sparsity.compact.share_values(model)
-    policy = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES.get(reduce_dtype) if reduce_dtype else None)
+    reduce = REDUCE_DTYPES.get(reduce_dtype) if reduce_dtype else None
+    if autocast_dtype is not None:
+        policy = MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=reduce or torch.float32)
+    else:
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce)
     # 1. Weights in another dtype than the rest (pure FP16/BF16 keeps normalization layers in FP32,
     #    and FSDP2 gathers one dtype per unit) are not sharded: every rank holds them (a few KB), and
     #    their gradients are averaged across ranks after backward (``average_replicated_gradients``).
     #    Units of their own would not do: checkpointing's no_bn recomputation reads a BatchNorm's
-    #    weights without calling the module, past FSDP2's hooks.
-    replicated = [p for p in model.parameters() if p.dtype != param_dtype]
+    #    weights without calling the module, past FSDP2's hooks. Under amp, the normalization
+    #    layers' FP32 weights, which FSDP2 would otherwise gather in the autocast dtype.
+    if autocast_dtype is not None:
+        replicated = [
+            p for m in model.modules() if isinstance(m, NORMALIZATION_TYPES) for p in m.parameters(recurse=False)
+        ]
+    else:
+        replicated = [p for p in model.parameters() if p.dtype != param_dtype]
     options = {"mp_policy": policy, "ignored_params": set(replicated)}
     object.__setattr__(model, _REPLICATED, replicated)
     units = sharded_blocks(model, blocks)
