@@ -71,15 +71,47 @@ def _rank_main(rank: int, world: int, port: int, run_dir: str, overrides: tuple[
         second = trainer.train_step(trainer.example_batch())
         unchanged = all(torch.equal(before[k], after[k]) for k in before)
         torch.save({"first": first, "second": second, "unchanged": unchanged}, out / f"rank{rank}.pt")
+    elif case.startswith("resume"):  # resume:<checkpoint's dir>:<run dir>, then on to step 4
+        from lowmem.trainer import resume_from
+
+        _, source, target = case.split(":")
+        resume_from(trainer, str(out / source), out / target)
+        _save_state_values(trainer, out / f"{target}.resumed.pt", rank)
+        trainer.fit(out / target)
+        _save_state_values(trainer, out / f"{target}.end.pt", rank)
     else:
         # Two steps (a checkpoint there, in `half`), then on to four (model.pt in `whole`): built for
         # four steps, so that the rewiring schedule (scaled to the run's length) is the 4-step run's.
         trainer.config.trainer.max_steps = 2
         trainer.fit(out / "half")
+        _save_state_values(trainer, out / "half.pt", rank)
         trainer.config.trainer.max_steps = 4
         trainer.fit(out / "whole")
         torch.save({"masks": trainer.sparsity.masks}, out / f"rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def _save_state_values(trainer, path: Path, rank: int) -> None:
+    """Rank 0 saves every optimizer state tensor's values, whole, as FP32 read back from its codes
+    and scales (8/4-bit), or from its stored values and moment scales (FP16 Adam): a collective."""
+    from lowmem.techniques.shards import gather_like, local
+
+    optimizer, values = trainer.optimizer, {}
+    for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        state = optimizer.state[param]
+        for name, signed in optimizer._MOMENTS:
+            if f"{name}_codes" in state:
+                piece = optimizer._read_local(param, name, signed)
+            elif f"{name}_log2_scale" in state:
+                scales = state[f"{name}_log2_scale"].reshape(-1).tolist()
+                stored = local(state[name]).reshape(-1).float()
+                piece = torch.cat([stored[a:b] * 2.0**-scale for (a, b), scale in
+                                   zip(optimizer._segments(param), scales, strict=True)])  # fmt: skip
+            else:
+                continue
+            values[f"{index}.{name}"] = gather_like(piece.view(local(param).shape), param)
+    if rank == 0:
+        torch.save(values, path)
 
 
 def _launch(world: int, run_dir: Path, case: str, *overrides: str) -> None:
@@ -168,6 +200,28 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, precisio
     assert first[0]["loss_scale"] == first[1]["loss_scale"]
     assert not any(record["skipped"] for record in second)
     assert second[0]["loss_scale"] == second[1]["loss_scale"] == first[0]["loss_scale"] / 2
+
+
+@pytest.mark.parametrize(
+    "state", [("precision=fp32", "optim.state_bits=8"), ("precision=fp16", "optim.state_bits=4"), ("precision=fp16",)]
+)
+def test_per_rank_optimizer_state_resumes_exactly_on_another_number_of_ranks(tmp_path, state):
+    """8/4-bit Adam state (codes and block scales per rank) and FP16 Adam's per-rank moment scales:
+    written on 2 ranks, read back on 1 and on 4 (and 4's on 2), every value exactly as saved."""
+    overrides = (*state, "optim.name=adam", "optim.lr=0.001", "trainer.max_steps=4")
+    _launch(2, tmp_path, "fit", *overrides)  # its checkpoint at step 2 in half/, the state then in half.pt
+    for world, source, target in ((1, "half", "one"), (4, "half", "four"), (2, "four", "two")):
+        (tmp_path / target).mkdir()
+        _launch(world, tmp_path, f"resume:{source}:{target}", *overrides)  # resumed, then on to step 4
+        saved = torch.load(tmp_path / ("half.pt" if source == "half" else f"{source}.end.pt"), weights_only=True)
+        resumed = torch.load(tmp_path / f"{target}.resumed.pt", weights_only=True)
+        assert saved and resumed.keys() == saved.keys()
+        for key, value in saved.items():
+            assert torch.equal(resumed[key], value), (world, key)
+        ended = torch.load(tmp_path / f"{target}.end.pt", weights_only=True)
+        assert all(value.isfinite().all() for value in ended.values())
+        if source == "half":  # and trained on with its segments to step 4 (where the run ends)
+            assert any(not torch.equal(ended[key], value) for key, value in saved.items())
 
 
 @pytest.mark.parametrize(
