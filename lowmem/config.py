@@ -686,12 +686,6 @@ def _validate_parallel(cfg: DictConfig | Config) -> None:
         "with trainer.parallel=fsdp only compact (masked sparse weights are not sharded yet)",
     )
     _require(
-        cfg.precision.name != "amp",
-        "precision",
-        cfg.precision.name,
-        "with trainer.parallel=fsdp one of fp32, fp16, bf16, fp64 (amp is not sharded yet)",
-    )
-    _require(
         not cfg.trainer.sync_batchnorm,
         "trainer.sync_batchnorm",
         cfg.trainer.sync_batchnorm,

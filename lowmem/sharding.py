@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lowmem.profiler.peak import PeakMeasurement
@@ -47,7 +46,8 @@ from lowmem.profiler.state import _state_entry_bytes, csr_index_bytes
 from lowmem.residual import residual_stacks
 from lowmem.techniques.chains import find_block_chains, installed_runners
 from lowmem.techniques.compact import SHARED_VALUES, compact_modules, compact_state_dict_keys, dense_weight
-from lowmem.techniques.shards import full, local, write_full
+from lowmem.techniques.precision import NORMALIZATION_TYPES
+from lowmem.techniques.shards import full, local, row_range, write_full
 from lowmem.techniques.shards import is_sharded as is_sharded_tensor
 from lowmem.techniques.sparsity import DynamicSparsity
 
@@ -83,6 +83,7 @@ def shard_model(
     device: torch.device,
     *,
     param_dtype: torch.dtype,
+    autocast_dtype: torch.dtype | None = None,
     blocks: Sequence[str] = (),
     reshard_after_forward: bool = True,
     reduce_dtype: str | None = None,
@@ -90,17 +91,35 @@ def shard_model(
 ) -> nn.Module:
     """``fully_shard`` ``model`` (in place; it is returned) over every rank of the default process
     group, in the order of the module docstring. ``param_dtype``: the dtype of the weights outside
-    the normalization layers; ``reduce_dtype``: ``precision.reduce_dtype``."""
+    the normalization layers; ``autocast_dtype``: ``precision=amp``'s (None otherwise);
+    ``reduce_dtype``: ``precision.reduce_dtype``.
+
+    ``precision=amp`` is FSDP2's own mixed precision over FP32 shards: each unit's weights are
+    gathered in ``autocast_dtype`` (what autocast would cast them to for every convolution and
+    matrix product, so those compute on the same bits as one process under autocast), and their
+    gradients reduce-scattered in FP32 unless ``reduce_dtype`` says otherwise (in the gathered
+    16 bits, the mean of N ranks' gradients would be rounded to 16 bits, which one process's FP32
+    gradients are not). Normalization layers keep their FP32 weights, as under autocast."""
     join_single_process_group(device)
     if sparsity is not None and sparsity.compact is not None:
         sparsity.compact.share_values(model)
-    policy = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES.get(reduce_dtype) if reduce_dtype else None)
+    reduce = REDUCE_DTYPES.get(reduce_dtype) if reduce_dtype else None
+    if autocast_dtype is not None:
+        policy = MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=reduce or torch.float32)
+    else:
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce)
     # 1. Weights in another dtype than the rest (pure FP16/BF16 keeps normalization layers in FP32,
     #    and FSDP2 gathers one dtype per unit) are not sharded: every rank holds them (a few KB), and
     #    their gradients are averaged across ranks after backward (``average_replicated_gradients``).
     #    Units of their own would not do: checkpointing's no_bn recomputation reads a BatchNorm's
-    #    weights without calling the module, past FSDP2's hooks.
-    replicated = [p for p in model.parameters() if p.dtype != param_dtype]
+    #    weights without calling the module, past FSDP2's hooks. Under amp, the normalization
+    #    layers' FP32 weights, which FSDP2 would otherwise gather in the autocast dtype.
+    if autocast_dtype is not None:
+        replicated = [
+            p for m in model.modules() if isinstance(m, NORMALIZATION_TYPES) for p in m.parameters(recurse=False)
+        ]
+    else:
+        replicated = [p for p in model.parameters() if p.dtype != param_dtype]
     options = {"mp_policy": policy, "ignored_params": set(replicated)}
     object.__setattr__(model, _REPLICATED, replicated)
     units = sharded_blocks(model, blocks)
@@ -187,25 +206,26 @@ def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) 
     """Write the model's and the optimizer's state to the directory ``path`` with
     ``torch.distributed.checkpoint``: each rank writes its own rows of every sharded tensor (nothing
     is gathered), tensors every rank holds alike once. A collective: call it on every rank. A
-    checkpoint written by N ranks loads on any number (``load_shards``), except optimizer state kept
-    per rank (8/4-bit codes and scales, FP16 Adam's moment scales), which needs N again."""
+    checkpoint written by N ranks loads on any number (``load_shards``)."""
     dcp.save({"model": _model_state(model), "optimizer": _optimizer_state(optimizer)}, checkpoint_id=str(path))
 
 
 def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Load ``save_shards``'s directory ``path`` into the sharded ``model`` and ``optimizer`` in place,
-    each rank reading its rows (of any number of ranks' checkpoint). Raises RuntimeError when state
-    kept per rank was written by another number of ranks."""
+    each rank reading its rows (of any number of ranks' checkpoint). Optimizer state kept per rank
+    (8/4-bit codes and scales, FP16 Adam's moment scales) saved by another number of ranks: each rank
+    reads that of the saved pieces its rows overlap, and ``optimizer.reshard_state`` takes it over
+    exactly (codes and scales as saved)."""
     state = {"model": _model_state(model), "optimizer": _optimizer_state(optimizer)}
-    try:
-        dcp.load(state, checkpoint_id=str(path))
-    except (CheckpointException, RuntimeError) as error:  # a missing key: every rank's trace in one message
-        if _PER_RANK in str(error):
-            raise RuntimeError(
-                f"{path} holds optimizer state kept per rank (8/4-bit state, or FP16 Adam's moment scales) by "
-                f"another number of ranks than this run's {dist.get_world_size()}: resume on that number"
-            ) from None
-        raise
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    overlapping = _saved_pieces(state["optimizer"]["state"], params, dcp.FileSystemReader(str(path)).read_metadata())
+    dcp.load(state, checkpoint_id=str(path))
+    for index, (start, pieces) in overlapping.items():
+        entries = state["optimizer"]["state"][str(index)]
+        pieces_state = [
+            (begin, end, {key: entries.pop(f"{key}{_PER_RANK}{r}") for key in keys}) for r, begin, end, keys in pieces
+        ]
+        optimizer.reshard_state(params[index], start, pieces_state)
     saved = state["optimizer"]
     for group, loaded in zip(optimizer.param_groups, saved["param_groups"], strict=True):
         group.update({key: value for key, value in loaded.items() if key != "params"})
@@ -215,6 +235,43 @@ def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) 
             if not isinstance(value, torch.Tensor):  # step counts: loaded values replace them
                 optimizer.state[param][key] = value
     optimizer.rounding_step = int(saved.get("rounding_step", 0))
+
+
+def _saved_pieces(
+    state: dict[str, dict[str, Any]], params: list[torch.Tensor], metadata: Any
+) -> dict[int, tuple[int, list[tuple[int, int, int, list[str]]]]]:
+    """The per-rank optimizer state in ``metadata`` (a sharded checkpoint's, of any number of ranks):
+    for each parameter index, the value where this rank's piece starts and, per saved rank whose
+    piece overlaps it, (rank, its first value, its end, its per-rank keys). ``state``
+    (``_optimizer_state``'s, loaded into) gets those ranks' tensors in place of this rank's. On as
+    many ranks as saved too: the saved layout (e.g. segments of an earlier resume) may not be the
+    one this run starts with."""
+    saved_ranks: dict[int, dict[int, list[str]]] = {}  # index -> rank -> keys
+    for name in metadata.state_dict_metadata:
+        if name.startswith("optimizer.state.") and _PER_RANK in name:
+            index, key = name.removeprefix("optimizer.state.").split(".", 1)
+            key, rank = key.rsplit(_PER_RANK, 1)
+            saved_ranks.setdefault(int(index), {}).setdefault(int(rank), []).append(key)
+    world = 1 + max((r for ranks in saved_ranks.values() for r in ranks), default=0)
+    overlapping = {}
+    for index, ranks in saved_ranks.items():
+        param, entries = params[index], state[str(index)]
+        for key in [key for key in entries if _PER_RANK in key]:
+            del entries[key]
+        rows = param.shape[0] if param.dim() else 1
+        per_row = param.numel() // max(rows, 1)
+        spans = {r: row_range(rows, r, world) for r in ranks} if is_sharded_tensor(param) else {0: (0, rows)}
+        mine = row_range(rows, dist.get_rank(), dist.get_world_size())
+        start, stop = mine if is_sharded_tensor(param) else (0, rows)
+        pieces = []
+        for r, (first, last) in spans.items():
+            if first < stop and start < last:
+                for key in ranks[r]:
+                    meta = metadata.state_dict_metadata[f"optimizer.state.{index}.{key}{_PER_RANK}{r}"]
+                    entries[f"{key}{_PER_RANK}{r}"] = torch.empty(meta.size, dtype=meta.properties.dtype)
+                pieces.append((r, first * per_row, last * per_row, ranks[r]))
+        overlapping[index] = (start * per_row, pieces)
+    return overlapping
 
 
 _PER_RANK = "@rank"  # key suffix of optimizer state each rank keeps for its own rows only
@@ -247,7 +304,7 @@ def whole(state: Any) -> Any:
     collective: call it on every rank, with states of the same structure). Other tensors that
     differ between ranks (8/4-bit optimizer state: codes and scales per local piece; FP16 Adam's
     per-piece moment scales) become ``{"per_rank": [one per rank]}``: such a checkpoint resumes on
-    the same number of ranks only."""
+    the same number of ranks only (a sharded checkpoint, ``load_shards``, on any number)."""
     if isinstance(state, dict):
         return {key: whole(value) for key, value in state.items()}
     if isinstance(state, list | tuple):

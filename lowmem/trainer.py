@@ -855,6 +855,7 @@ def apply_techniques(
             model,
             device,
             param_dtype=policy.param_dtype,
+            autocast_dtype=policy.autocast_dtype,
             blocks=blocks,
             reshard_after_forward=cfg.trainer.reshard_after_forward,
             reduce_dtype=cfg.precision.reduce_dtype,

@@ -37,6 +37,8 @@ load across numbers of ranks), and a step updates each rank's local pieces of pa
 and state as plain tensors (``lowmem.techniques.shards.local``): the same per-element arithmetic, so
 FP32/FP64 updates equal the unsharded ones bit for bit. Quantized state is held per local piece: its
 blocks lie within each rank's rows. Adam's per-tensor FP16 moment scales become per-piece scales.
+Resumed on another number of ranks, a piece may be held as several segments, each with its own
+blocks or moment scales (``reshard_state``: exact), updated one by one.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import torch
 from lowmem import kernels
 from lowmem.kernels import quantized
 from lowmem.kernels.quantized import QState
-from lowmem.kernels.reference import SLICE, adam_step_size, tensor_keys
+from lowmem.kernels.reference import _MASK32, SLICE, adam_step_size, fmix32, tensor_keys
 from lowmem.techniques.shards import full, gather_like, local, local_rows, moved_entries, write_full
 
 STATE_SEED_SALT = 0x2545F491  # quantized state's rounding keys: tensor_keys(seed ^ this, step, ...)
@@ -59,7 +61,8 @@ _QUANTIZABLE = (torch.float32, *_SIXTEEN_BIT)
 # The keys a state dict holds in their own dtype (torch's Optimizer.load_state_dict would cast every
 # state tensor to its parameter's dtype).
 _QUANTIZED_SUFFIXES = ("_codes", "_scales")
-_OWN_DTYPE_SUFFIXES = ("_log2_scale", *_QUANTIZED_SUFFIXES)
+SEGMENTS = "segments"  # state key: the value counts of a local piece's segments (int64; see ``reshard_state``)
+_OWN_DTYPE_SUFFIXES = ("_log2_scale", SEGMENTS, *_QUANTIZED_SUFFIXES)
 
 
 class _LowPrecisionOptimizer(torch.optim.Optimizer):
@@ -132,7 +135,9 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
         return [
             key
             for key, value in self.state.get(param, {}).items()
-            if isinstance(value, torch.Tensor) and value.shape == param.shape and not key.endswith(_QUANTIZED_SUFFIXES)
+            if isinstance(value, torch.Tensor)
+            and value.shape == param.shape
+            and not key.endswith((SEGMENTS, *_QUANTIZED_SUFFIXES))
         ]
 
     def read_state(self, param: torch.Tensor, name: str) -> torch.Tensor:
@@ -187,14 +192,142 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
         state = self.state.get(param, {})
         for key in self._shaped_like(param):
             write_full(state[key], moved_entries(full(state[key]), source))
-        numel = local(param).numel()
         for name, signed in self._moments_of(param):
-            piece = quantized.read(self._qstate(param, name), numel, self.state_bits, self.block_size, signed)
+            piece = self._read_local(param, name, signed)
             moved = moved_entries(gather_like(piece, param), source)
             mine = local_rows(moved, param)
             state[f"{name}_codes"], state[f"{name}_scales"] = quantized.quantize(
                 mine, self.state_bits, self.block_size, signed
             )
+        state.pop(SEGMENTS, None)  # quantized anew in this rank's own blocks
+
+    # --- segments: a local piece in several layouts, after a resume on another number of ranks -----
+    def _segments(self, param: torch.Tensor) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` values of each segment of ``param``'s local piece (``reshard_state``):
+        the whole piece, unless resumed from another number of ranks."""
+        sizes = self.state.get(param, {}).get(SEGMENTS)
+        if sizes is None:
+            return [(0, local(param).numel())]
+        stops = torch.cumsum(sizes, 0).tolist()
+        return list(zip([0, *stops[:-1]], stops, strict=True))
+
+    def _qsegments(self, param: torch.Tensor, name: str) -> list[QState]:
+        """Quantized state ``name`` of ``param``, one ``QState`` (views) per segment."""
+        state, pieces, codes_at, scales_at = self._qstate(param, name), [], 0, 0
+        for start, stop in self._segments(param):
+            codes, scales = quantized.code_bytes(stop - start, self.state_bits), -(-(stop - start) // self.block_size)
+            pieces.append(
+                QState(state.codes[codes_at : codes_at + codes], state.scales[scales_at : scales_at + scales])
+            )
+            codes_at, scales_at = codes_at + codes, scales_at + scales
+        return pieces
+
+    def _read_local(self, param: torch.Tensor, name: str, signed: bool) -> torch.Tensor:
+        """Quantized state ``name`` of this rank's piece of ``param``, in FP32, flat."""
+        return torch.cat([
+            quantized.read(piece, stop - start, self.state_bits, self.block_size, signed)
+            for piece, (start, stop) in zip(self._qsegments(param, name), self._segments(param), strict=True)
+        ])
+
+    def _pieces(
+        self, params: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, int, slice | None]]]:
+        """The weights and gradients of ``params`` as the kernels take them, one tensor per segment
+        (this rank's piece itself when it is one), and (parameter, segment index, values or None) of each."""
+        owners = []
+        for param in params:
+            segments = self._segments(param)
+            owners += [(param, index, slice(*bounds) if len(segments) > 1 else None) for index, bounds in
+                       enumerate(segments)]  # fmt: skip
+        weights = [_part(local(p), part) for p, _, part in owners]
+        return weights, [_part(local(p.grad), part) for p, _, part in owners], owners
+
+    def _segment_keys(
+        self, keys: list[int] | None, params: list[torch.Tensor], owners: list[tuple[torch.Tensor, int, Any]]
+    ) -> list[int] | None:
+        if keys is None:
+            return None
+        by_param = {id(p): key for p, key in zip(params, keys, strict=True)}
+        return [self._segment_key(by_param[id(p)], index) for p, index, _ in owners]
+
+    @staticmethod
+    def _segment_key(key: int, index: int) -> int:
+        """A segment's random key: the tensor's for the first, distinct streams for the others."""
+        return key if index == 0 else fmix32((key + index * 0x9E3779B9) & _MASK32)
+
+    @torch.no_grad()
+    def reshard_state(
+        self, param: torch.Tensor, start: int, saved: list[tuple[int, int, dict[str, torch.Tensor]]]
+    ) -> None:
+        """Set the state this rank keeps for its own piece of ``param`` only (8/4-bit codes and
+        scales; FP16 Adam's moment scales), the piece starting at value ``start`` of the flattened
+        whole, from the pieces other ranks saved: ``saved`` holds, for each that overlaps it, the
+        values ``[begin, end)`` it covered and its state (same keys).
+
+        Exact, with no re-quantization: every value keeps the code and the scale it was saved with.
+        A rank's piece may then span several saved pieces, each quantized in blocks of its own that
+        a single layout of this piece could not hold (one scale per ``block_size`` values from the
+        piece's start: a block joining two saved blocks of different scales would have to round
+        their values again). So the piece is held as *segments*, each laid out from its own start
+        (``SEGMENTS``: their value counts): every part of a saved segment that lies in this piece,
+        split before its first whole block when it starts inside one (a saved block cut in two keeps
+        its scale in both parts: a scale need not be the largest magnitude of its block). FP16
+        Adam's moments keep their values (they are rows of a sharded tensor, loaded as saved) and
+        their per-segment ``2**log2_scale`` likewise. The update runs per segment; a rewiring
+        re-quantizes the piece into one."""
+        stop = start + local(param).numel()
+        state = self.state[param]
+        names = [name for name, _ in self._MOMENTS if f"{name}_codes" in state]
+        scale_keys = [key for key in state if key.endswith("_log2_scale")]
+        block = self.block_size if names else None
+        sizes: list[int] = []
+        codes: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+        scales: dict[str, list[torch.Tensor]] = {key: [] for key in [*names, *scale_keys]}
+        for begin, end, entries in saved:
+            bounds = entries[SEGMENTS].tolist() if SEGMENTS in entries else [end - begin]
+            unpacked = {name: self._saved_segments(entries, name, bounds) for name in names}
+            at = begin
+            for index, size in enumerate(bounds):
+                for first, last in _cuts(max(at, start) - at, min(at + size, stop) - at, block):
+                    sizes.append(last - first)
+                    for name, segments in unpacked.items():
+                        segment_codes, segment_scales = segments[index]
+                        codes[name].append(quantized._pack(segment_codes[first:last], self.state_bits))
+                        scales[name].append(segment_scales[first // block : -(-last // block)])
+                    for key in scale_keys:
+                        scales[key].append(entries[key].reshape(-1)[index])
+                at += size
+        device = param.device
+        for name in names:
+            if sizes:
+                state[f"{name}_codes"] = torch.cat(codes[name]).to(device)
+                state[f"{name}_scales"] = torch.cat(scales[name]).to(device)
+            else:
+                state[f"{name}_codes"], state[f"{name}_scales"] = quantized.zeros(
+                    0, self.state_bits, self.block_size, True, device
+                )
+        for key in scale_keys:
+            if sizes:
+                joined = torch.stack(scales[key]) if len(sizes) > 1 else scales[key][0].clone()
+                state[key] = joined.to(device)
+        if len(sizes) > 1:
+            state[SEGMENTS] = torch.tensor(sizes, dtype=torch.int64)
+        else:
+            state.pop(SEGMENTS, None)
+
+    def _saved_segments(
+        self, entries: dict[str, torch.Tensor], name: str, bounds: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Saved quantized state ``name``, per segment of ``bounds`` values: its codes (one int32 per
+        value) and its scales."""
+        segments, codes_at, scales_at = [], 0, 0
+        for size in bounds:
+            codes, scales = quantized.code_bytes(size, self.state_bits), -(-size // self.block_size)
+            packed = entries[f"{name}_codes"][codes_at : codes_at + codes]
+            block_scales = entries[f"{name}_scales"][scales_at : scales_at + scales]
+            segments.append((quantized._unpack(packed, size, self.state_bits), block_scales))
+            codes_at, scales_at = codes_at + codes, scales_at + scales
+        return segments
 
     def _by_dtype(self, group: dict[str, Any]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
         """The group's parameters that have a gradient (sharded: and rows on this rank), by (device, dtype)."""
@@ -301,9 +434,11 @@ class LowPrecisionSGD(_LowPrecisionOptimizer):
             for (_, dtype), sharded in self._by_dtype(group).items():
                 params, grads = [local(p) for p in sharded], [local(p.grad) for p in sharded]
                 if self.state_bits is not None and momentum != 0:
+                    weights, pieces, owners = self._pieces(sharded)
                     kernels.sgd_quantized(
-                        params, grads, [self._qstate(p, "momentum") for p in sharded],
-                        self._keys(sharded) if dtype in _SIXTEEN_BIT else None, self._state_keys(sharded),
+                        weights, pieces, [self._qsegments(p, "momentum")[index] for p, index, _ in owners],
+                        self._segment_keys(self._keys(sharded) if dtype in _SIXTEEN_BIT else None, sharded, owners),
+                        self._segment_keys(self._state_keys(sharded), sharded, owners),
                         bits=self.state_bits,
                         block_size=self.block_size, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=decay,
                         grad_scale=grad_scale,
@@ -389,23 +524,36 @@ class LowPrecisionAdam(_LowPrecisionOptimizer):
                     state["step"] += 1
                 step_sizes = [adam_step_size(lr, beta1, beta2, state["step"]) for state in states]
                 params, grads = [local(p) for p in sharded], [local(p.grad) for p in sharded]
+                if self.state_bits is not None or dtype in _SIXTEEN_BIT:  # per segment (``reshard_state``)
+                    weights, pieces, owners = self._pieces(sharded)
+                    size_of = {id(p): size for p, size in zip(sharded, step_sizes, strict=True)}
+                    sizes = [size_of[id(p)] for p, _, _ in owners]
+                    keys = self._segment_keys(self._keys(sharded) if dtype in _SIXTEEN_BIT else None, sharded, owners)
                 if self.state_bits is not None:
                     kernels.adam_quantized(
-                        params, grads, [self._qstate(p, "exp_avg") for p in sharded],
-                        [self._qstate(p, "exp_avg_sq") for p in sharded], step_sizes,
-                        self._keys(sharded) if dtype in _SIXTEEN_BIT else None, self._state_keys(sharded),
+                        weights, pieces, [self._qsegments(p, "exp_avg")[index] for p, index, _ in owners],
+                        [self._qsegments(p, "exp_avg_sq")[index] for p, index, _ in owners], sizes,
+                        keys, self._segment_keys(self._state_keys(sharded), sharded, owners),
                         bits=self.state_bits,
                         block_size=self.block_size, beta1=beta1, beta2=beta2, eps=eps, decay=decay,
                         grad_scale=grad_scale,
                     )
                     continue
-                exp_avgs = [local(s["exp_avg"]) for s in states]
-                exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
                 if dtype in _SIXTEEN_BIT:
-                    scales = [(s["exp_avg_log2_scale"], s["exp_avg_sq_log2_scale"]) for s in states]
-                    kernels.adam(params, grads, exp_avgs, exp_avg_sqs, scales, step_sizes, self._keys(sharded),
+                    moments = [
+                        [_part(local(self.state[p][key]), part) for p, _, part in owners]
+                        for key in ("exp_avg", "exp_avg_sq")
+                    ]
+                    scales = [
+                        tuple(_part(self.state[p][f"{key}_log2_scale"], None if part is None else index)
+                              for key in ("exp_avg", "exp_avg_sq"))
+                        for p, index, part in owners
+                    ]  # fmt: skip
+                    kernels.adam(weights, pieces, *moments, scales, sizes, keys,
                                  beta1=beta1, beta2=beta2, eps=eps, decay=decay, grad_scale=grad_scale)
                     continue
+                exp_avgs = [local(s["exp_avg"]) for s in states]
+                exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
                 # FP32/FP64: in place; the gradients end up holding the denominators.
                 _unscale_(grads, grad_scale)
                 torch._foreach_mul_(exp_avgs, beta1)
@@ -418,3 +566,19 @@ class LowPrecisionAdam(_LowPrecisionOptimizer):
                 torch._foreach_sqrt_(grads)
                 torch._foreach_add_(grads, eps)
                 torch._foreach_addcdiv_(params, exp_avgs, grads, [-size for size in step_sizes])
+
+
+def _part(tensor: torch.Tensor, part: slice | int | None) -> torch.Tensor:
+    """``tensor``'s values ``part`` (a view: a slice of the flattened tensor, or one entry), or itself."""
+    return tensor if part is None else tensor.reshape(-1)[part]
+
+
+def _cuts(first: int, last: int, block: int | None) -> list[tuple[int, int]]:
+    """``[first, last)`` of a saved segment as segments of their own: cut before its first whole
+    block when it starts inside one (``block``: the block size of quantized state, or None)."""
+    if first >= last:
+        return []
+    if block is None or first % block == 0:
+        return [(first, last)]
+    boundary = min(last, -(-first // block) * block)
+    return [(first, boundary)] + ([(boundary, last)] if boundary < last else [])

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowmem.techniques.cpu_compute import check_setting
-from lowmem.techniques.shards import local
+from lowmem.techniques.shards import is_sharded, local
 
 PRECISIONS = ("fp32", "fp16", "bf16", "amp", "fp64")
 
@@ -373,9 +373,10 @@ class AmpLossScaler:
 
     The gradients are FP32 here, so ``found_overflow`` lets torch unscale them in place
     (``GradScaler.unscale_``); from then until ``update`` the gradients carry no scale and ``scale``
-    reads 1.0, so the usual ``optimizer.step(grad_scale=scaler.scale)`` is right. ``update`` defers
-    to torch's own record of the overflow; under DDP the gradients, and so that record, are the same
-    on every rank, so the all-reduced ``found_inf`` passed in agrees with it.
+    reads 1.0, so the usual ``optimizer.step(grad_scale=scaler.scale)`` is right. ``update`` adapts
+    the scale by ``found_inf``, the overflow of any rank: torch's own record holds this rank's
+    gradients only, which under sharding (``trainer.parallel=fsdp``: each rank checks its rows) may
+    differ between ranks, and the ranks' scales must not.
     """
 
     def __init__(
@@ -391,6 +392,7 @@ class AmpLossScaler:
         self.grad_scaler = grad_scaler
         self.optimizer = optimizer
         self._unscaled = False
+        self._unscaling: _LocalGradients | None = None  # GradScaler keys its record of a step by it
         if grad_scaler.is_enabled():
             # GradScaler creates its scale tensor on the first loss it scales. Created here, on the
             # training device, so that the profiler's pass on fake tensors (which scales a fake loss
@@ -418,11 +420,20 @@ class AmpLossScaler:
     def found_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         if not self.enabled:
             return False
-        self.grad_scaler.unscale_(self.optimizer)
+        # Sharded: torch's unscale_ refuses a mix of sharded (DTensor) and whole gradients, so it
+        # unscales each gradient's local piece (in place: the same storage), through a stand-in.
+        self._unscaling = _LocalGradients(self.optimizer)
+        self.grad_scaler.unscale_(self._unscaling)
         self._unscaled = True
         return has_nonfinite_grad(params)
 
     def update(self, found_inf: bool) -> None:
+        """Adapt the scale after a step; ``found_inf`` must be the same on every data-parallel rank."""
+        if self.enabled:
+            # GradScaler.update reads the overflow it recorded while unscaling, this rank's only.
+            for recorded in self.grad_scaler._per_optimizer_states.values():
+                for found in recorded["found_inf_per_device"].values():
+                    found.fill_(float(found_inf))
         self.grad_scaler.update()
         self._unscaled = False
 
@@ -431,6 +442,24 @@ class AmpLossScaler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.grad_scaler.load_state_dict(state)
+
+
+class _LocalGradients:
+    """What ``GradScaler.unscale_`` reads of an optimizer (``param_groups``), each sharded parameter
+    replaced by its local piece (detached, no copy) holding its gradient's local piece as ``grad``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.param_groups = [
+            {"params": [_local_with_grad(p) for p in group["params"]]} for group in optimizer.param_groups
+        ]
+
+
+def _local_with_grad(param: torch.Tensor) -> torch.Tensor:
+    if param.grad is None or not is_sharded(param.grad):
+        return param
+    piece = local(param).detach()
+    piece.grad = local(param.grad)
+    return piece
 
 
 def make_loss_scaler(
