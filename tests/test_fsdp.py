@@ -4,6 +4,7 @@ process ends, skip FP16 overflows together, and resume on another number of rank
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import replace
 from math import inf
@@ -71,6 +72,25 @@ def _rank_main(rank: int, world: int, port: int, run_dir: str, overrides: tuple[
         second = trainer.train_step(trainer.example_batch())
         unchanged = all(torch.equal(before[k], after[k]) for k in before)
         torch.save({"first": first, "second": second, "unchanged": unchanged}, out / f"rank{rank}.pt")
+    elif case == "remap":  # FP16 Adam's moments moved across ranks whose pieces have other scales
+        trainer.train_step(trainer.example_batch())
+        optimizer = trainer.optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        index, param = max(
+            ((i, p) for i, p in enumerate(params) if "exp_avg_log2_scale" in optimizer.state[p]),
+            key=lambda pair: pair[1].numel(),
+        )
+        state = optimizer.state[param]
+        stored = local(state["exp_avg"])
+        torch.manual_seed(rank)
+        stored.copy_(torch.randn(stored.shape) * 1000)  # stored times 2**scale: rank 0's at 3, rank 1's at 9
+        state["exp_avg_log2_scale"] = torch.tensor(3.0 + 6 * rank)
+        _save_state_values(trainer, out / "before.pt", rank)
+        source = torch.arange(param.shape[0] * math.prod(param.shape[1:])).flip(0)  # to the other end: across
+        source[::7] = -1  # some positions new (zero)
+        optimizer.remap_shared_state(param, source.view(param.shape))
+        _save_state_values(trainer, out / "after.pt", rank)
+        torch.save({"key": f"{index}.exp_avg", "source": source}, out / f"rank{rank}.pt")
     elif case.startswith("resume"):  # resume:<checkpoint's dir>:<run dir>, then on to step 4
         from lowmem.trainer import resume_from
 
@@ -200,6 +220,20 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, precisio
     assert first[0]["loss_scale"] == first[1]["loss_scale"]
     assert not any(record["skipped"] for record in second)
     assert second[0]["loss_scale"] == second[1]["loss_scale"] == first[0]["loss_scale"] / 2
+
+
+def test_a_rewiring_moves_fp16_adam_moments_across_ranks_at_their_values(tmp_path):
+    """Compact sparsity's rewiring moves FP16 Adam's moments between ranks whose pieces are stored
+    at different scales: each entry keeps its value (to within the FP16 rounding of its new piece's
+    scale), not its stored bits."""
+    _launch(2, tmp_path, "remap", "precision=fp16", "optim.name=adam", "optim.lr=1e-3", "sparsity.density=0.3")
+    before, after = torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "after.pt")
+    moved = torch.load(tmp_path / "rank0.pt")
+    key, source = moved["key"], moved["source"]
+    whole = before[key].reshape(-1).double()
+    expected = torch.where(source >= 0, whole[source.clamp(min=0)], torch.zeros((), dtype=torch.float64))
+    got = after[key].reshape(-1).double()
+    assert (got - expected).abs().max() <= expected.abs().max() * 2.0**-10
 
 
 @pytest.mark.parametrize(

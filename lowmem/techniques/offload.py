@@ -23,9 +23,9 @@ installed after offloading hands its codes to it). Each saved activation of at l
 A tensor saved by several nodes is offloaded once. In the accounting's fake pass (CPU stand-ins:
 ``lowmem.profiler.activations``) the hooks hand on a stand-in marked ``offloaded``: counted as host
 bytes, not as device activations, until backward fetches it back (prefetches included), from when
-its device copy counts as a saved activation until autograd releases it. On a CPU the hooks would copy memory to itself: a CPU run is
-refused at set-up (``lowmem.trainer.start_run``). ``Streams`` is the one place that touches CUDA:
-tests drive the hooks through a test double of it on a CPU.
+its device copy counts as a saved activation until autograd releases it. On a CPU the hooks would
+copy memory to itself: a CPU run is refused at set-up (``lowmem.trainer.start_run``). ``Streams``
+is the one place that touches CUDA: tests drive the hooks through a test double of it on a CPU.
 """
 
 from __future__ import annotations

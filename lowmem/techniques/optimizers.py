@@ -47,11 +47,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lowmem import kernels
 from lowmem.kernels import quantized
 from lowmem.kernels.quantized import QState
-from lowmem.kernels.reference import _MASK32, SLICE, adam_step_size, fmix32, tensor_keys
+from lowmem.kernels.reference import _MASK32, SLICE, _pow2, adam_step_size, fmix32, moment_log2_scale, tensor_keys
 from lowmem.techniques.shards import full, gather_like, local, local_rows, moved_entries, write_full
 
 STATE_SEED_SALT = 0x2545F491  # quantized state's rounding keys: tensor_keys(seed ^ this, step, ...)
@@ -191,7 +192,10 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
         this rank's blocks."""
         state = self.state.get(param, {})
         for key in self._shaped_like(param):
-            write_full(state[key], moved_entries(full(state[key]), source))
+            if f"{key}_log2_scale" in state and isinstance(param, DTensor):  # FP16 moments: per-piece scales
+                self._remap_scaled_moment(param, key, source)
+            else:
+                write_full(state[key], moved_entries(full(state[key]), source))
         for name, signed in self._moments_of(param):
             piece = self._read_local(param, name, signed)
             moved = moved_entries(gather_like(piece, param), source)
@@ -200,6 +204,21 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
                 mine, self.state_bits, self.block_size, signed
             )
         state.pop(SEGMENTS, None)  # quantized anew in this rank's own blocks
+
+    def _remap_scaled_moment(self, param: torch.Tensor, key: str, source: torch.Tensor) -> None:
+        """``remap_shared_state`` for an FP16 moment stored times ``2**{key}_log2_scale``: sharded,
+        each rank's piece (each segment) has its own scale, so entries moved across ranks are moved
+        as values (FP32), and each rank stores its new piece at the scale its largest value now takes
+        (``lowmem.kernels.reference.moment_log2_scale``, as an update would choose)."""
+        state = self.state[param]
+        stored, scales = local(state[key]), state[f"{key}_log2_scale"].reshape(-1)
+        flat = stored.reshape(-1).float()
+        values = torch.cat([flat[a:b] * _pow2(-scales[index]) for index, (a, b) in enumerate(self._segments(param))])
+        mine = local_rows(moved_entries(gather_like(values.view(stored.shape), param), source), param)
+        top = mine.abs().max() if mine.numel() else mine.new_zeros(())
+        scale = moment_log2_scale(top.float())
+        stored.copy_(mine * _pow2(scale))
+        state[f"{key}_log2_scale"] = scale.reshape(()).to(scales.device)  # one segment now: 0-dim, as made
 
     # --- segments: a local piece in several layouts, after a resume on another number of ranks -----
     def _segments(self, param: torch.Tensor) -> list[tuple[int, int]]:
