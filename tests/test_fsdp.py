@@ -316,3 +316,45 @@ def test_a_loop_of_your_own_prepared_with_fsdp_trains_and_resumes():
         if dist.is_initialized():
             dist.destroy_process_group()
     assert losses[-1] < losses[0] and again == after
+
+
+def _torchrun(*args: str, wait: bool = True):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "lowmem.train", *args, "trainer.parallel=fsdp", "trainer.log_every=1"]  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    process = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if wait:
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err[-3000:]
+    return process
+
+
+def test_sigterm_under_torchrun_checkpoints_the_shards_and_the_resumed_run_is_bit_identical(tmp_path):
+    """``torchrun ... trainer.parallel=fsdp``, SIGTERM to torchrun mid-run: the ranks write their
+    shards and rank 0 the checkpoint naming them, and the command it prints resumes to the weights of
+    the uninterrupted 2-rank run, bit for bit (FP64)."""
+    import signal
+    import time
+
+    longer = (*OVERRIDES, "data.train_size=400", "trainer.epochs=1", "trainer.progress=none")  # 20 steps
+    _torchrun(*longer, f"hydra.run.dir={tmp_path / 'whole'}")
+    stopped = tmp_path / "stopped"
+    process = _torchrun(*longer, f"hydra.run.dir={stopped}", wait=False)
+    metrics, deadline = stopped / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode != 0 and "resume with: " in out + err, err[-3000:]
+    checkpoint = torch.load(stopped / "checkpoint.pt", weights_only=False)
+    step = checkpoint["trainer"]["step"]
+    assert 0 < step < 20 and not (stopped / "model.pt").exists()
+    shards = [d for d in stopped.glob("checkpoint.shards.*") if d.is_dir()]
+    assert [int(d.name.rsplit(".", 1)[1]) for d in shards] == [step]  # the ranks' rows, named by the step
+    _torchrun(*longer, f"hydra.run.dir={stopped}", f"trainer.resume={stopped}")
+    whole, resumed = (torch.load(d / "model.pt", weights_only=True) for d in (tmp_path / "whole", stopped))
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
