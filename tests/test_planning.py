@@ -434,3 +434,21 @@ def test_a_forked_helper_that_never_answers_is_stopped_after_its_patience():
         helper.collect()
         assert time.perf_counter() - started < 10 and helper.running() is None
     assert merged == {}
+
+
+def test_lowmem_plan_chooses_the_gradient_sync_of_sharded_microbatches():
+    """``plan.world_size=2`` with microbatches: one reduce-scatter per minibatch where every
+    gradient held whole still fits, else one per microbatch (each rank accumulating its shards)."""
+    from lowmem.planning import search
+
+    fixed = [*TINY_WRN, "trainer.device=cpu", "sparsity.density=1.0", "precision=fp32", "microbatch.size=5",
+             "optim.state_bits=null", "checkpointing.strategy=none"]  # fmt: skip
+    roomy = search.Planner(fixed, 10**12, world_size=2)
+    chosen = roomy.search(1)[0]
+    assert chosen.gradient_sync == "minibatch" and "trainer.gradient_sync=minibatch" in roomy.overrides(chosen)
+    extra = roomy.temporary_bytes(1.0, "fp32", 5, "minibatch") - roomy.temporary_bytes(1.0, "fp32", 5, "microbatch")
+    assert extra > 0  # every gradient whole, against the largest gathered unit's
+    tight = search.Planner(fixed, chosen.budget_total_bytes - 1, world_size=2).search(1)[0]
+    assert tight.gradient_sync == "microbatch" and tight.budget_total_bytes == chosen.budget_total_bytes - extra
+    alone = search.Planner(fixed, 10**12).search(1)[0]  # one process: the knob means nothing
+    assert alone.gradient_sync is None and "trainer.gradient_sync" not in alone.knobs()

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import itertools
 import logging
@@ -93,7 +94,7 @@ FIXED_STRATEGIES = (
 # Command-line knobs the planner chooses; fixing one restricts the search to its value.
 SEARCHED = (
     "sparsity.density", "precision", "optim.state_bits", "microbatch.size", "checkpointing.strategy",
-    "checkpointing.every", "checkpointing.compress", "checkpointing.offload",
+    "checkpointing.every", "checkpointing.compress", "checkpointing.offload", "trainer.gradient_sync",
 )  # fmt: skip
 # How optimal's stored blocks may keep what they save: (checkpointing.compress's narrowest width or
 # None, whether they may be offloaded).
@@ -120,6 +121,7 @@ class Candidate:
     temporary_bytes: int = 0  # a real step's temporaries beyond the accounting (step_temporaries)
     compress: int | None = None  # checkpointing.compress (optimal only): the narrowest width allowed
     offload: bool = False  # checkpointing.offload: optimal's schedule offloads blocks
+    gradient_sync: str | None = None  # plan.world_size > 1 with microbatches: trainer.gradient_sync
 
     @property
     def total_bytes(self) -> int:
@@ -157,6 +159,8 @@ class Candidate:
             knobs["checkpointing.compress"] = f"{self.compress}"
         if self.offload:
             knobs["checkpointing.offload"] = "true"
+        if self.gradient_sync is not None:
+            knobs["trainer.gradient_sync"] = self.gradient_sync
         return knobs
 
 
@@ -235,6 +239,7 @@ class Planner:
         self.compressions = self._compressions()
         self.offload_allowed = self._offload_allowed()
         self.saves: tuple[Saves, ...] = tuple((compress, self.offload_allowed) for compress in self.compressions)
+        self.syncs = self._syncs()
         self._states: dict[tuple[float, str, int | None], StateBytes] = {}
         self._temporaries: dict[tuple[float, str, int | None], int] = {}
         self._trainers: dict[tuple[str, int | None], Trainer | None] = {}
@@ -294,6 +299,17 @@ class Planner:
                 "offloads the blocks it chooses); leave checkpointing.strategy unset, or set it to optimal"
             )
         return True
+
+    def _syncs(self) -> tuple[str, ...]:
+        """The trainer.gradient_sync values searched where they differ (plan.world_size > 1, with
+        microbatches): ``minibatch`` first (one reduce-scatter per minibatch instead of one per
+        microbatch: less communication, as fast or faster), then ``microbatch`` (each rank
+        accumulates only its shards of the gradients, not every gradient whole: less memory)."""
+        if self.world_size == 1:
+            return ()
+        if "trainer.gradient_sync" in self.fixed:
+            return (self.cfg.trainer.gradient_sync,)
+        return ("minibatch", "microbatch")
 
     # --- the search ----------------------------------------------------------------------------
     def search(self, top: int, first: Callable[[Candidate], None] | None = None) -> list[Candidate]:
@@ -477,12 +493,14 @@ class Planner:
     def _optimal_allowed(self) -> bool:
         return any(strategy == "optimal" for strategy, _ in self.strategies)
 
-    def _room(self, density: float, precision: str, bits: int | None, microbatch: int | None = None) -> int:
+    def _room(
+        self, density: float, precision: str, bits: int | None, microbatch: int | None = None, sync: str | None = None
+    ) -> int:
         """What ``density``, ``precision``, ``bits`` and the step's temporaries at ``microbatch``
-        leave of the budget for activations (bytes). (The default, the whole minibatch, has no
-        accumulation: the least temporaries of any size.)"""
+        (and gradient ``sync``) leave of the budget for activations (bytes). (The default, the whole
+        minibatch, has no accumulation: the least temporaries of any size.)"""
         state = self.state_bytes(density, precision, bits)
-        temporary = self.temporary_bytes(density, precision, microbatch)
+        temporary = self.temporary_bytes(density, precision, microbatch, sync)
         return self.budget - state.model_bytes - state.optimizer_bytes - temporary
 
     def _fitting(
@@ -490,14 +508,32 @@ class Planner:
     ) -> list[Candidate]:
         """The configurations at (density, precision, bits, microbatch, saves) whose total fits the
         budget: with a width (``saves``' first), optimal schedules that compress (at that width or
-        wider) only."""
+        wider) only. With microbatches on several ranks, those of the first gradient sync (``syncs``)
+        where any fits."""
+        if microbatch is None or not self.syncs:
+            return self._fitting_with(density, precision, bits, microbatch, saves, None)
+        for sync in self.syncs:
+            found = self._fitting_with(density, precision, bits, microbatch, saves, sync)
+            if found:
+                return [dataclasses.replace(candidate, gradient_sync=sync) for candidate in found]
+        return []
+
+    def _fitting_with(
+        self,
+        density: float,
+        precision: str,
+        bits: int | None,
+        microbatch: int | None,
+        saves: Saves | None,
+        sync: str | None,
+    ) -> list[Candidate]:
         saves = saves or self.saves[0]
         compress = saves[0]
         state = self.state_bytes(density, precision, bits)
         if self._trainer_for(precision, microbatch) is None:
             return []
-        room = self._room(density, precision, bits, microbatch)
-        temporary = self.temporary_bytes(density, precision, microbatch)
+        room = self._room(density, precision, bits, microbatch, sync)
+        temporary = self.temporary_bytes(density, precision, microbatch, sync)
         if room <= 0:
             return []
         if compress is not None:
@@ -631,10 +667,14 @@ class Planner:
             )
         return self._states[key]
 
-    def temporary_bytes(self, density: float, precision: str, microbatch: int | None) -> int:
+    def temporary_bytes(
+        self, density: float, precision: str, microbatch: int | None, sync: str | None = None
+    ) -> int:
         """The step's temporaries beyond the accounting at ``density`` and ``microbatch``
-        (``lowmem.profiler.step_temporaries``, weights as ``state_bytes`` counts them)."""
-        key = (density, precision, microbatch)
+        (``lowmem.profiler.step_temporaries``, weights as ``state_bytes`` counts them), with
+        ``plan.world_size`` above 1 the weights gathered and their gradients under gradient ``sync``
+        (None: ``microbatch``, the least memory)."""
+        key = (density, precision, microbatch, sync)
         if key not in self._temporaries:
             trainer = self._trainer_for(precision, None)
             model = trainer.unwrapped_model
@@ -642,16 +682,22 @@ class Planner:
             batch = self.cfg.data.batch_size // self.world_size
             microbatches = 1 if microbatch is None else -(-batch // microbatch)
             self._temporaries[key] = step_temporaries(model, sparse, microbatches).total
-            self._temporaries[key] += self.gathered_bytes(density, precision)
+            self._temporaries[key] += self.gathered_bytes(density, precision, sync if microbatches > 1 else None)
         return self._temporaries[key]
 
-    def gathered_bytes(self, density: float, precision: str) -> int:
-        """``plan.world_size`` above 1: the weights FSDP2 gathers at once at most, and their
-        gradients before the reduce-scatter (``lowmem.sharding.planned_gathered_bytes``); else 0."""
+    def gathered_bytes(self, density: float, precision: str, sync: str | None = None) -> int:
+        """``plan.world_size`` above 1: the weights FSDP2 gathers at once at most
+        (``lowmem.sharding.planned_gathered_bytes``) and the gradients held before a reduce-scatter:
+        theirs, or with gradient ``sync`` ``minibatch`` (microbatches accumulated before one
+        reduce-scatter) every gradient whole, as ``lowmem.profile`` counts them; else 0."""
         if self.world_size == 1:
             return 0
         trainer = self._trainer_for(precision, None)
-        return 2 * planned_gathered_bytes(trainer.unwrapped_model, self._sparse_weights(trainer, density))
+        gathered = planned_gathered_bytes(trainer.unwrapped_model, self._sparse_weights(trainer, density))
+        if sync != "minibatch":
+            return 2 * gathered
+        whole = account_state(trainer.unwrapped_model, trainer.optimizer, self._sparse_weights(trainer, density))
+        return gathered + whole.model_bytes
 
     def _sparse_weights(self, trainer: Trainer, density: float) -> dict | None:
         """The sparse weights at ``density`` (name -> dense shape, active count), as DSR keeps them."""
