@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.helpers import TINY_WRN, make_config
+from tests.helpers import SMALL_DC, TINY_WRN, make_config
 from tests.test_distributed import _free_port
 
 # Compact DSR rewired at steps 1 and 2 (trainer.epochs=1 scales the schedule to the run's 4 steps:
@@ -107,7 +107,7 @@ def _rank_main(rank: int, world: int, port: int, run_dir: str, overrides: tuple[
         _save_state_values(trainer, out / "half.pt", rank)
         trainer.config.trainer.max_steps = 4
         trainer.fit(out / "whole")
-        torch.save({"masks": trainer.sparsity.masks}, out / f"rank{rank}.pt")
+        torch.save({"masks": {} if trainer.sparsity is None else trainer.sparsity.masks}, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -134,12 +134,12 @@ def _save_state_values(trainer, path: Path, rank: int) -> None:
         torch.save(values, path)
 
 
-def _launch(world: int, run_dir: Path, case: str, *overrides: str) -> None:
+def _launch(world: int, run_dir: Path, case: str, *overrides: str, base: tuple[str, ...] = OVERRIDES) -> None:
     for sub in ("half", "whole"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     mp.start_processes(
         _rank_main,
-        args=(world, _free_port(), str(run_dir), (*OVERRIDES, *overrides), case),
+        args=(world, _free_port(), str(run_dir), (*base, *overrides), case),
         nprocs=world,
         start_method="spawn",
     )
@@ -180,6 +180,34 @@ def test_two_ranks_equal_one_process_and_resume_on_one(tmp_path):
         if dist.is_initialized():
             dist.destroy_process_group()
     _assert_close(one, torch.load(tmp_path / "resumed" / "model.pt", weights_only=True))
+
+
+# DynamicConv, small: 4 updates of a global minibatch of 800 tokens in token microbatches of 200 (2 per
+# rank on 2 ranks), FP64, no dropout of any kind (its draws differ between a rank and one process),
+# compact density 0.3 rewired at steps 1 and 2.
+DC_OVERRIDES = (
+    *SMALL_DC, "data.train_size=120", "precision=fp64", "model.dropout=0", "model.weight_dropout=0",
+    "model.attention_dropout=0", "microbatch.size=200",
+    "microbatch.mode=true", "checkpointing.strategy=residual", "checkpointing.every=1", "trainer.epochs=1",
+    "trainer.device=cpu",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("density", ["1.0", "0.3"])
+def test_dynamicconv_on_two_ranks_equals_one_process(tmp_path, density):
+    from lowmem.trainer import build_trainer
+
+    overrides = (f"sparsity.density={density}", "sparsity.rewire_freq_mult=100", "trainer.max_steps=4")
+    _launch(2, tmp_path / "fsdp", "fit", *overrides, base=DC_OVERRIDES)
+    single = build_trainer(make_config(*DC_OVERRIDES, *overrides))
+    (tmp_path / "one").mkdir()
+    single.fit(tmp_path / "one")
+    one = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
+    _assert_close(one, torch.load(tmp_path / "fsdp" / "whole" / "model.pt", weights_only=True))
+    if single.sparsity is not None:
+        ranks = [torch.load(tmp_path / "fsdp" / f"rank{r}.pt", weights_only=True)["masks"] for r in range(2)]
+        for name, mask in single.sparsity.masks.items():
+            assert torch.equal(mask, ranks[0][name]) and torch.equal(mask, ranks[1][name]), name
 
 
 def _losses(run_dir: Path) -> list[float]:
