@@ -651,7 +651,11 @@ class Planner:
         if self.world_size == 1:
             return 0
         trainer = self._trainer_for(precision, None)
-        return 2 * planned_gathered_bytes(trainer.unwrapped_model, self._sparse_weights(trainer, density))
+        sparse, dtypes = self._sparse_weights(trainer, density), trainer.policy
+        model = trainer.unwrapped_model
+        return 2 * planned_gathered_bytes(
+            model, sparse, param_dtype=dtypes.param_dtype, autocast_dtype=dtypes.autocast_dtype
+        )
 
     def _sparse_weights(self, trainer: Trainer, density: float) -> dict | None:
         """The sparse weights at ``density`` (name -> dense shape, active count), as DSR keeps them."""
