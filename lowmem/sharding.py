@@ -114,12 +114,7 @@ def shard_model(
     #    Units of their own would not do: checkpointing's no_bn recomputation reads a BatchNorm's
     #    weights without calling the module, past FSDP2's hooks. Under amp, the normalization
     #    layers' FP32 weights, which FSDP2 would otherwise gather in the autocast dtype.
-    if autocast_dtype is not None:
-        replicated = [
-            p for m in model.modules() if isinstance(m, NORMALIZATION_TYPES) for p in m.parameters(recurse=False)
-        ]
-    else:
-        replicated = [p for p in model.parameters() if p.dtype != param_dtype]
+    replicated = replicated_parameters(model, param_dtype, autocast_dtype)
     options = {"mp_policy": policy, "ignored_params": set(replicated)}
     object.__setattr__(model, _REPLICATED, replicated)
     units = sharded_blocks(model, blocks)
@@ -136,6 +131,16 @@ def shard_model(
         "; compact sparse values as one sharded parameter" if sparsity is not None and sparsity.compact else "",
     )
     return model
+
+
+def replicated_parameters(
+    model: nn.Module, param_dtype: torch.dtype, autocast_dtype: torch.dtype | None
+) -> list[nn.Parameter]:
+    """The parameters ``shard_model`` leaves whole on every rank (its step 1): those in another dtype
+    than ``param_dtype``; under amp (``autocast_dtype``), the normalization layers'."""
+    if autocast_dtype is not None:
+        return [p for m in model.modules() if isinstance(m, NORMALIZATION_TYPES) for p in m.parameters(recurse=False)]
+    return [p for p in model.parameters() if p.dtype != param_dtype]
 
 
 _REPLICATED = "_lowmem_replicated"  # model attribute: the parameters FSDP2 leaves whole on every rank
@@ -437,12 +442,17 @@ class RunningStatistics:
 
 
 def account_shards(
-    model: nn.Module, optimizer: torch.optim.Optimizer, sparsity: DynamicSparsity | None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sparsity: DynamicSparsity | None,
+    gathered_dtype: torch.dtype | None = None,
 ) -> dict[str, int]:
     """This rank's model, optimizer (gradients + state) and state bytes by the report's definition,
     for its local rows of every sharded tensor (compact positions, which every rank holds whole, as
     CSR index bytes), and ``gathered_bytes``: the weights FSDP2 gathers whole at once at most, the
-    root's (held from forward through backward) plus the largest other unit's."""
+    root's (held from forward through backward) plus the largest other unit's, in the dtype they are
+    gathered in (``gathered_dtype``: ``precision=amp``'s autocast dtype; None: their own). The
+    weights every rank holds whole (``replicated_parameters``) are not gathered."""
     model_bytes = optimizer_bytes = state_bytes = 0
     for param in model.parameters():
         piece = local(param)
@@ -454,9 +464,14 @@ def account_shards(
     if sparsity is not None and sparsity.compact is not None:
         model_bytes += sum(csr_index_bytes(shape, count) for shape, count in sparsity.trained_parameters().values())
     units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    replicated = {id(p) for p in getattr(model, _REPLICATED, [])}
     owned = {id(p) for unit in units if unit is not model for p in unit.parameters()}
     sizes = [
-        sum(p.numel() * p.element_size() for p in unit.parameters() if unit is not model or id(p) not in owned)
+        sum(
+            p.numel() * (gathered_dtype or p.dtype).itemsize
+            for p in unit.parameters()
+            if id(p) not in replicated and (unit is not model or id(p) not in owned)
+        )
         for unit in units
     ]
     root = sizes[units.index(model)] if model in units else 0
@@ -469,17 +484,28 @@ def account_shards(
     }
 
 
-def planned_gathered_bytes(model: nn.Module, sparse: dict | None = None) -> int:
+def planned_gathered_bytes(
+    model: nn.Module,
+    sparse: dict | None = None,
+    *,
+    param_dtype: torch.dtype,
+    autocast_dtype: torch.dtype | None = None,
+) -> int:
     """What ``account_shards`` calls ``gathered_bytes`` for ``model`` not sharded yet (the planner's
     what-if): the weights outside the blocks ``shard_model`` would make units, compact sparse values
-    included (one root parameter), plus the largest block's; ``sparse``: name -> (dense shape, active
-    count) of the sparse weights."""
+    included (one root parameter), plus the largest block's, in the dtype FSDP2 gathers them in
+    (``autocast_dtype`` under amp), less those every rank holds whole; ``sparse``: name -> (dense
+    shape, active count) of the sparse weights; ``param_dtype``, ``autocast_dtype``: as for
+    ``shard_model``."""
     sparse = sparse or {}
     blocks = sharded_blocks(model)
     block_of = {id(p): index for index, block in enumerate(blocks) for p in block.parameters()}
+    replicated = {id(p) for p in replicated_parameters(model, param_dtype, autocast_dtype)}
     root, per_block = 0, [0] * len(blocks)
     for name, param in model.named_parameters():
-        size = (sparse[name][1] if name in sparse else param.numel()) * param.element_size()
+        if id(param) in replicated:
+            continue
+        size = (sparse[name][1] if name in sparse else param.numel()) * (autocast_dtype or param.dtype).itemsize
         if name in sparse or id(param) not in block_of:
             root += size
         else:

@@ -212,7 +212,8 @@ class Trainer:
     def _sharded_report(self, measure: bool, batch: Any) -> MemoryReport:
         """``profile_trainer`` of a sharded trainer: this rank's shards, the gathered weights, and
         (``measure``) the measured peak of one real sharded step over ``batch``."""
-        shards = sharding.account_shards(self.unwrapped_model, self.optimizer, self.sparsity)
+        gathered_dtype = self.policy.autocast_dtype  # amp: FSDP2 gathers the FP32 shards in it
+        shards = sharding.account_shards(self.unwrapped_model, self.optimizer, self.sparsity, gathered_dtype)
         peak = None
         if measure:
             owners, data = (self, batch), data_tensors(self, batch)

@@ -73,12 +73,14 @@ def profile_row(overrides: list[str], ranks: int, measure: bool) -> dict:
     return json.loads(rows[-1])
 
 
-def memory_part(ranks: list[int], measure: bool) -> dict:
+def memory_part(ranks: list[int], measure: bool, cases: list[str]) -> dict:
     print("\n| configuration | ranks | model MB | optimizer MB | model + optimizer (vs 1) | activations MB | "
           "accounted total MB | gathered MB | measured peak MB (vs 1) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     figures: dict[str, dict[int, dict]] = {}
     for name, overrides in MEMORY_CASES.items():
+        if cases and not any(case in name for case in cases):
+            continue
         figures[name] = {}
         for count in ranks:
             row = profile_row(overrides, count, measure)
@@ -128,6 +130,7 @@ def main() -> None:
     parser.add_argument("--part", choices=("memory", "accuracy", "all"), default="all")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--no-measure", action="store_true", help="memory: the accounting only, no real step")
+    parser.add_argument("--case", nargs="+", default=[], help="memory: only the configurations naming one of these")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=12, help="WRN-28-2 epochs on digits")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_fsdp")
@@ -136,7 +139,7 @@ def main() -> None:
     print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
     figures = {}
     if args.part in ("memory", "all"):
-        figures["memory"] = memory_part(args.ranks, not args.no_measure)
+        figures["memory"] = memory_part(args.ranks, not args.no_measure, args.case)
     if args.part in ("accuracy", "all"):
         figures["accuracy"] = accuracy_part(args.out, args.seeds, args.epochs)
     if args.json:

@@ -319,6 +319,31 @@ def test_one_process_with_fsdp_is_a_shard_of_one_and_profiles_whole(tmp_path):
     assert sharded["gathered_bytes"] > 0 and whole["gathered_bytes"] == 0
 
 
+def test_amp_gathers_weights_in_the_autocast_dtype_and_the_accounting_says_so():
+    from lowmem.profile import profile_config
+    from lowmem.sharding import planned_gathered_bytes
+    from lowmem.trainer import build_trainer
+
+    tiny = (*TINY_WRN, "trainer.device=cpu", "trainer.parallel=fsdp")
+    gathered = {}
+    try:
+        for precision in ("fp32", "amp"):
+            gathered[precision] = profile_config(make_config(*tiny, f"precision={precision}"), measure=False)
+            dist.destroy_process_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # BF16 (the CPU's autocast dtype), BatchNorm's FP32 weights held whole on every rank, not gathered.
+    fp32, amp = (gathered[p]["gathered_bytes"] for p in ("fp32", "amp"))
+    assert 0 < amp < fp32 / 2
+    trainer = build_trainer(make_config(*TINY_WRN, "trainer.device=cpu", "precision=amp"))
+    dtypes = trainer.policy
+    planned = planned_gathered_bytes(
+        trainer.unwrapped_model, param_dtype=dtypes.param_dtype, autocast_dtype=dtypes.autocast_dtype
+    )
+    assert planned == amp
+
+
 def test_a_loop_of_your_own_prepared_with_fsdp_trains_and_resumes():
     from torch import nn
 

@@ -482,6 +482,30 @@ def test_measured_peak_sees_a_step_allocation_and_categorises_state():
     assert again.start_bytes > peak.start_bytes
 
 
+def test_measured_peak_follows_storages_resized_in_place():
+    # FSDP2 frees a gathered weight by resizing its storage to 0 bytes and re-allocates it by
+    # resizing it back (``UntypedStorage.resize_``, unseen by the dispatcher on CPU): the tracker
+    # counts each storage at its size of the moment, so two weights gathered in turn peak at one.
+    size = 1_000_000
+    first, second = torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
+    for weight in (first, second):
+        weight.untyped_storage().resize_(0)
+    with track_peak(owners=[first, second]) as tracker:
+        assert tracker.start_bytes == 0
+        for weight in (first, second):
+            weight.untyped_storage().resize_(size)  # gathered
+            weight.add_(1)
+            weight.untyped_storage().resize_(0)  # freed
+        assert tracker.peak_bytes == size  # one gathered weight at a time
+        grown = torch.empty(0, dtype=torch.uint8)
+        torch.ones(3 * size, dtype=torch.uint8, out=grown)  # an op's ``out=`` resized through dispatch
+        assert sum(tracker.live.values()) == 3 * size
+        del grown
+    assert tracker.peak_bytes == 3 * size
+    assert sum(tracker.live.values()) == 0
+    assert "resize_" not in vars(torch.UntypedStorage)  # torch's own method again
+
+
 def test_profile_step_with_true_microbatches_reports_one_microbatch_and_the_whole_minibatch():
     model = small_convnet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

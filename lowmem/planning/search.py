@@ -693,11 +693,14 @@ class Planner:
         if self.world_size == 1:
             return 0
         trainer = self._trainer_for(precision, None)
-        gathered = planned_gathered_bytes(trainer.unwrapped_model, self._sparse_weights(trainer, density))
+        sparse, policy = self._sparse_weights(trainer, density), trainer.policy
+        model = trainer.unwrapped_model
+        gathered = planned_gathered_bytes(
+            model, sparse, param_dtype=policy.param_dtype, autocast_dtype=policy.autocast_dtype
+        )
         if sync != "minibatch":
             return 2 * gathered
-        whole = account_state(trainer.unwrapped_model, trainer.optimizer, self._sparse_weights(trainer, density))
-        return gathered + whole.model_bytes
+        return gathered + account_state(model, trainer.optimizer, sparse).model_bytes
 
     def _sparse_weights(self, trainer: Trainer, density: float) -> dict | None:
         """The sparse weights at ``density`` (name -> dense shape, active count), as DSR keeps them."""

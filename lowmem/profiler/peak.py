@@ -4,8 +4,10 @@ The measured peak is what decides whether a run fits (SPEC §4): on CUDA the all
 ``torch.cuda.max_memory_allocated``; on CPU, where the allocator keeps no statistics, the peak of
 live tensor storages seen by ``AllocationTracker`` (a ``TorchDispatchMode``: every op's output
 storage counts from its creation until it dies, on top of every tensor alive when the step
-starts). Kernel-internal scratch buffers that never become tensors are not seen on CPU. Both
-report a breakdown at the peak moment and where it happened.
+starts, each at its size of the moment: storages resized in place count as they grow and shrink,
+which is how FSDP2 allocates and frees gathered weights). Kernel-internal scratch buffers that
+never become tensors are not seen on CPU. Both report a breakdown at the peak moment and where it
+happened.
 
 Whose tensors: given ``owners`` (a run's trainer), the CPU tracker counts only the tensors alive at
 the start that those objects reach (``reachable_tensors``: the model, optimizer state, data and
@@ -118,24 +120,50 @@ class AllocationTracker(TorchDispatchMode):
     def _add(self, tensor: torch.Tensor, category: str, recategorise: bool = False) -> None:
         if isinstance(tensor, DTensor):  # sharded (FSDP2): this rank holds its local piece only
             tensor = tensor._local_tensor
-        if not self._on_device(tensor) or isinstance(tensor, FakeTensor):
-            return
-        key = storage_key(tensor)
-        entry = self._storages.get(key)
-        if entry is not None:
-            if recategorise and entry.category != category:
-                self.live[entry.category] -= entry.nbytes
-                self.live[category] += entry.nbytes
-                entry.category = category
+        if not self._on_device(tensor.device) or isinstance(tensor, FakeTensor):
             return
         storage = tensor.untyped_storage()
+        entry = self._storages.get(storage._cdata)
+        if entry is None:
+            self._track(storage, category)
+            return
+        if recategorise and entry.category != category:
+            self.live[entry.category] -= entry.nbytes
+            self.live[category] += entry.nbytes
+            entry.category = category
+        if storage.nbytes() != entry.nbytes:  # resized in place by an op (``out=``, ``resize_``)
+            self._resize(entry, storage.nbytes())
+
+    def _track(self, storage: torch.UntypedStorage, category: str) -> None:
+        key = storage._cdata  # ``storage_key``: the same for every view of it
         self._storages[key] = _Storage(storage.nbytes(), category)
         self.live[category] += storage.nbytes()
         self._finalizers.append(weakref.finalize(storage, self._remove, key))
         self._update_peak()
 
-    def _on_device(self, tensor: torch.Tensor) -> bool:
-        device = tensor.device  # "cuda" means the current CUDA device: compare types, then indices
+    def _resize(self, entry: _Storage, nbytes: int) -> None:
+        grew = nbytes > entry.nbytes
+        self.live[entry.category] += nbytes - entry.nbytes
+        entry.nbytes = nbytes
+        if grew:
+            self._update_peak()
+
+    def _storage_resized(self, storage: torch.UntypedStorage) -> None:
+        """After ``UntypedStorage.resize_``, which CPU tensors' storages do without passing through
+        ``__torch_dispatch__``: FSDP2 frees a gathered weight by resizing its storage to 0 bytes and
+        allocates it again by resizing it back before the next all-gather. A storage the tracker
+        did not know counts from now, as memory the step allocated."""
+        if not self._on_device(storage.device):
+            return
+        entry = self._storages.get(storage._cdata)
+        if entry is None:
+            if storage.nbytes():
+                self._track(storage, "temporary")
+        elif storage.nbytes() != entry.nbytes:
+            self._resize(entry, storage.nbytes())
+
+    def _on_device(self, device: torch.device) -> bool:
+        # "cuda" means the current CUDA device: compare types, then indices
         if device.type != self.device.type:
             return False
         return self.device.index is None or device.index is None or device.index == self.device.index
@@ -235,6 +263,7 @@ class AllocationTracker(TorchDispatchMode):
         hooks.callback(nn.modules.module.register_module_forward_pre_hook(self._module_pre).remove)
         hooks.callback(nn.modules.module.register_module_forward_hook(self._module_post).remove)
         hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        hooks.enter_context(_storage_resizes_reported_to(self._storage_resized))
         self._start()
         return super().__enter__()
 
@@ -244,6 +273,29 @@ class AllocationTracker(TorchDispatchMode):
         for finalizer in self._finalizers:
             finalizer.detach()
         self._finalizers.clear()
+
+
+@contextlib.contextmanager
+def _storage_resizes_reported_to(report: Callable[[torch.UntypedStorage], None]) -> Iterator[None]:
+    """Calls ``report(storage)`` after every ``UntypedStorage.resize_`` inside: the dispatcher never
+    sees those on CPU (torch resizes a CPU storage directly), and no torch hook does."""
+    cls = torch.UntypedStorage
+    own = vars(cls).get("resize_")  # an enclosing tracker's wrapper, or None (inherited from C)
+    resize = cls.resize_
+
+    def resize_reported(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+        result = resize(storage, size)
+        report(storage)
+        return result
+
+    cls.resize_ = resize_reported
+    try:
+        yield
+    finally:
+        if own is None:
+            del cls.resize_
+        else:
+            cls.resize_ = own
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
