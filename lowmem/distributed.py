@@ -66,6 +66,15 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(value.item() > 0)
 
 
+def most_over_ranks(value: int, device: torch.device) -> int:
+    """The largest ``value`` of any rank (e.g. microbatches in a step: sharded ranks must agree)."""
+    if world_size() == 1:
+        return value
+    most = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
+
+
 def wrap_model(model: nn.Module, device: torch.device, sync_batchnorm: bool = False) -> nn.Module:
     if world_size() == 1:
         return model

@@ -182,7 +182,16 @@ class Trainer:
             parts = self.recipe.split(batch, self.microbatch_size)
         else:
             parts = [(batch, 1.0)]
-        return [(part, weight * rank_weight) for part, weight in parts]
+        parts = [(part, weight * rank_weight) for part, weight in parts]
+        # 2. Sharded (fsdp): FSDP2 gathers and reduce-scatters once per microbatch on every rank, so
+        #    the ranks must run as many: a rank its token budget cuts into fewer microbatches than
+        #    another's would wait in a collective the other never joins. It runs the difference as
+        #    copies of its smallest microbatch weighted 0: every gradient gets exact zeros added.
+        if self.sharded and distributed.world_size() > 1:
+            most = distributed.most_over_ranks(len(parts), self.device)
+            smallest = min(parts, key=lambda item: self.recipe.batch_size(item[0]))[0]
+            parts += [(smallest, 0.0)] * (most - len(parts))
+        return parts
 
     def microbatch_backward(
         self, part: Any, weight: float, index: int = 0, count: int = 1, *, local: bool = False
