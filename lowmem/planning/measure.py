@@ -30,7 +30,7 @@ import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -500,6 +500,20 @@ def _measure_block(
     )
 
 
+def _merged_variants(variants: list[tuple[Mapping[Any, tuple[int, int, int]], int]]) -> dict:
+    """One block's (stored bytes, peak bytes, FLOPs) per way of storing (compressed, offloaded),
+    over microbatch shapes, ``count`` of each: the bytes the largest, the FLOPs summed."""
+    keys = variants[0][0]
+    return {
+        k: (
+            max(v[k][0] for v, _ in variants),
+            max(v[k][1] for v, _ in variants),
+            sum(v[k][2] * n for v, n in variants),
+        )
+        for k in keys
+    }
+
+
 def _merge(chains: list[tuple[ChainCosts, int]]) -> ChainCosts:
     """One chain standing for microbatches of several shapes, ``count`` of each: bytes are the
     largest over the shapes, FLOPs the sum over the minibatch."""
@@ -518,22 +532,8 @@ def _merge(chains: list[tuple[ChainCosts, int]]) -> ChainCosts:
                 forward_flops=sum(b.forward_flops * n for b, n in figures),
                 rebuild_flops=sum(b.rebuild_flops * n for b, n in figures),
                 routes_norm=first.blocks[position].routes_norm,
-                compressed={
-                    k: (
-                        max(b.compressed[k][0] for b in costs),
-                        max(b.compressed[k][1] for b in costs),
-                        sum(b.compressed[k][2] * n for b, n in figures),
-                    )
-                    for k in first.blocks[position].compressed
-                },
-                offloaded={
-                    k: (
-                        max(b.offloaded[k][0] for b in costs),
-                        max(b.offloaded[k][1] for b in costs),
-                        sum(b.offloaded[k][2] * n for b, n in figures),
-                    )
-                    for k in first.blocks[position].offloaded
-                },
+                compressed=_merged_variants([(b.compressed, n) for b, n in figures]),
+                offloaded=_merged_variants([(b.offloaded, n) for b, n in figures]),
             )
         )
     return ChainCosts(

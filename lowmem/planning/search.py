@@ -96,10 +96,6 @@ SEARCHED = (
     "sparsity.density", "precision", "optim.state_bits", "microbatch.size", "checkpointing.strategy",
     "checkpointing.every", "checkpointing.compress", "checkpointing.offload", "trainer.gradient_sync",
 )  # fmt: skip
-# How optimal's stored blocks may keep what they save: (checkpointing.compress's narrowest width or
-# None, whether they may be offloaded).
-Saves = tuple[int | None, bool]
-PLAIN: Saves = (None, False)
 
 
 @dataclass(frozen=True)
@@ -238,7 +234,6 @@ class Planner:
         self.strategies = tuple(dict.fromkeys(strategies))
         self.compressions = self._compressions()
         self.offload_allowed = self._offload_allowed()
-        self.saves: tuple[Saves, ...] = tuple((compress, self.offload_allowed) for compress in self.compressions)
         self.syncs = self._syncs()
         self._states: dict[tuple[float, str, int | None], StateBytes] = {}
         self._temporaries: dict[tuple[float, str, int | None], int] = {}
@@ -319,7 +314,7 @@ class Planner:
         found: list[Candidate] = []
         with _quiet_builds():
             levels = sorted({_quantization(b) for bits in self.state_bits.values() for b in bits})
-            for density, level, saves in itertools.product(self.densities, levels, self.saves):
+            for density, level, compress in itertools.product(self.densities, levels, self.compressions):
                 pairs = [
                     (precision, bits)
                     for precision in self.precisions
@@ -329,7 +324,7 @@ class Planner:
                 # Per precision and state bits, the microbatch sizes worth accounting at this density.
                 sizes = {pair: self._sizes_that_may_fit(density, *pair) for pair in pairs}
                 tasks = [
-                    (density, *pair, microbatch, saves)
+                    (density, *pair, microbatch, compress)
                     for microbatch in self.microbatches
                     for pair in pairs
                     if microbatch in sizes[pair]
@@ -390,22 +385,22 @@ class Planner:
 
             yield next_task
 
-    def export(self, precision: str, microbatch: int | None, saves: Saves | None = None) -> dict:
-        """What this planner measured and accounted for (precision, microbatch, saves): plain data."""
+    def export(self, precision: str, microbatch: int | None, compress: int | None = None) -> dict:
+        """What this planner measured and accounted for (precision, microbatch, compress): plain data."""
         key = (precision, microbatch)
-        placement, accounting = self._placements.get((*key, saves or self.saves[0])), self._accountings.get(key)
+        placement, accounting = self._placements.get((*key, compress)), self._accountings.get(key)
         return {
             "placement": None if placement is None else placement.found(),
             "figures": None if accounting is None else accounting.found(),
             "refused": {refused for refused in self._refused if refused[:2] == key},
         }
 
-    def merge(self, precision: str, microbatch: int | None, data: dict, saves: Saves | None = None) -> None:
-        """Take another process's ``export`` for (precision, microbatch, saves) into the caches."""
+    def merge(self, precision: str, microbatch: int | None, data: dict, compress: int | None = None) -> None:
+        """Take another process's ``export`` for (precision, microbatch, compress) into the caches."""
         if self._trainer_for(precision, microbatch) is None:
             return
         if data["placement"] is not None:
-            self._placement(precision, microbatch, saves).merge(data["placement"])
+            self._placement(precision, microbatch, compress).merge(data["placement"])
         if data["figures"] is not None:
             self._accounting(precision, microbatch).merge(data["figures"])
         self._refused |= data["refused"]
@@ -436,10 +431,10 @@ class Planner:
                 for s, e in self.strategies
             ]
         found = []
-        for saves in self.saves:
-            least = self._placement(precision, microbatch, saves).smallest()
+        for compress in self.compressions:
+            least = self._placement(precision, microbatch, compress).smallest()
             room = least.activation_bytes
-            found.append(self._optimal(density, precision, bits, microbatch, state, least, room, temporary, saves))
+            found.append(self._optimal(density, precision, bits, microbatch, state, least, room, temporary, compress))
         return found
 
     def overrides(self, candidate: Candidate) -> list[str]:
@@ -459,8 +454,7 @@ class Planner:
         """Drop the search's trainers and accountings (models, fake-pass caches), keeping only the
         placements ``keep``'s optimal schedules are built from: what the search leaves alive is not
         the chosen run's, and is freed before that run is built and measured."""
-        allowed = self.offload_allowed
-        needed = {(c.precision, c.microbatch, (c.compress, allowed)) for c in keep if c.strategy == "optimal"}
+        needed = {(c.precision, c.microbatch, c.compress) for c in keep if c.strategy == "optimal"}
         self._placements = {key: placement for key, placement in self._placements.items() if key in needed}
         self._trainers.clear()
         self._accountings.clear()
@@ -472,7 +466,7 @@ class Planner:
         measuring again (the caller accounts the trainer, and builds again without ``reuse`` when the
         figures differ from the candidate's)."""
         cfg = self.compose(candidate)
-        key = (candidate.precision, candidate.microbatch, (candidate.compress, self.offload_allowed))
+        key = (candidate.precision, candidate.microbatch, candidate.compress)
         if not reuse or candidate.strategy != "optimal" or key not in self._placements:
             return self.build(cfg)
         with reusing_placement(self._placements[key]):
@@ -504,16 +498,16 @@ class Planner:
         return self.budget - state.model_bytes - state.optimizer_bytes - temporary
 
     def _fitting(
-        self, density: float, precision: str, bits: int | None, microbatch: int | None, saves: Saves | None = None
+        self, density: float, precision: str, bits: int | None, microbatch: int | None, compress: int | None = None
     ) -> list[Candidate]:
-        """The configurations at (density, precision, bits, microbatch, saves) whose total fits the
-        budget: with a width (``saves``' first), optimal schedules that compress (at that width or
+        """The configurations at (density, precision, bits, microbatch, compress) whose total fits the
+        budget: with ``compress``, optimal schedules that compress (at that width or
         wider) only. With microbatches on several ranks, those of the first gradient sync (``syncs``)
         where any fits."""
         if microbatch is None or not self.syncs:
-            return self._fitting_with(density, precision, bits, microbatch, saves, None)
+            return self._fitting_with(density, precision, bits, microbatch, compress, None)
         for sync in self.syncs:
-            found = self._fitting_with(density, precision, bits, microbatch, saves, sync)
+            found = self._fitting_with(density, precision, bits, microbatch, compress, sync)
             if found:
                 return [dataclasses.replace(candidate, gradient_sync=sync) for candidate in found]
         return []
@@ -524,11 +518,9 @@ class Planner:
         precision: str,
         bits: int | None,
         microbatch: int | None,
-        saves: Saves | None,
+        compress: int | None,
         sync: str | None,
     ) -> list[Candidate]:
-        saves = saves or self.saves[0]
-        compress = saves[0]
         state = self.state_bytes(density, precision, bits)
         if self._trainer_for(precision, microbatch) is None:
             return []
@@ -541,13 +533,13 @@ class Planner:
             # configuration's check adds, is kept free too (else every one of them is skipped there).
             room -= self._largest_op(precision, microbatch)
         # No schedule goes below optimal's smallest.
-        if self._optimal_allowed and not self._placement(precision, microbatch, saves).reaches(room):
+        if self._optimal_allowed and not self._placement(precision, microbatch, compress).reaches(room):
             return []
         if compress is not None:
-            accounted = self._placement(precision, microbatch, saves).cheapest(room)
+            accounted = self._placement(precision, microbatch, compress).cheapest(room)
             if "bit" not in str(accounted.plan):  # compresses nothing: listed without compression
                 return []
-            return [self._optimal(density, precision, bits, microbatch, state, accounted, room, temporary, saves)]
+            return [self._optimal(density, precision, bits, microbatch, state, accounted, room, temporary, compress)]
         fitting = []
         for strategy, every in self.strategies:
             if strategy != "optimal":
@@ -555,7 +547,7 @@ class Planner:
                 if candidate is not None:
                     fitting.append(candidate)
         if self._optimal_allowed:
-            accounted = self._placement(precision, microbatch, saves).cheapest(room)
+            accounted = self._placement(precision, microbatch, compress).cheapest(room)
             # A schedule that is one of the fixed patterns is listed under its simpler name only.
             if not any((c.activation_bytes, c.flops) == (accounted.activation_bytes, accounted.flops) for c in fitting):
                 fitting.append(self._optimal(density, precision, bits, microbatch, state, accounted, room, temporary))
@@ -564,13 +556,13 @@ class Planner:
     @staticmethod
     def _optimal(
         density: float, precision: str, bits: int | None, microbatch: int | None, state: StateBytes,
-        accounted: AccountedSchedule, budget: int, temporary: int, saves: Saves = PLAIN,
+        accounted: AccountedSchedule, budget: int, temporary: int, compress: int | None = None,
     ) -> Candidate:  # fmt: skip
         """Optimal checkpointing within ``budget`` activation bytes, as ``accounted`` (its schedule)."""
         schedule = str(accounted.plan)
         return Candidate(
             density, precision, microbatch, "optimal", None, budget, state.model_bytes, state.optimizer_bytes,
-            accounted.activation_bytes, accounted.flops, schedule, bits, temporary, saves[0], "offload" in schedule,
+            accounted.activation_bytes, accounted.flops, schedule, bits, temporary, compress, "offload" in schedule,
         )  # fmt: skip
 
     def _fixed(
@@ -753,15 +745,14 @@ class Planner:
                 self._largest_ops[key] = profile_trainer(trainer, measure=False).step_temporaries["largest_op"]
         return self._largest_ops[key]
 
-    def _placement(self, precision: str, microbatch: int | None, saves: Saves | None = None) -> CheckpointPlacement:
-        """The placement at (precision, microbatch) with ``saves`` (default: uncompressed, offloading
-        where allowed)."""
-        saves = saves or self.saves[0]
-        key = (precision, microbatch, saves)
+    def _placement(self, precision: str, microbatch: int | None, compress: int | None = None) -> CheckpointPlacement:
+        """The placement at (precision, microbatch) with compression down to ``compress``, and offloading
+        where the command line allows it."""
+        key = (precision, microbatch, compress)
         if key not in self._placements:
             trainer = self._trainer_for(precision, microbatch)
-            link = link_price(trainer) if saves[1] else None
-            self._placements[key] = CheckpointPlacement(trainer, allowed_widths(saves[0]), link)
+            link = link_price(trainer) if self.offload_allowed else None
+            self._placements[key] = CheckpointPlacement(trainer, allowed_widths(compress), link)
         return self._placements[key]
 
     def _accounting(self, precision: str, microbatch: int | None) -> MinibatchAccounting:

@@ -135,6 +135,22 @@ def held_range(tensor: torch.Tensor) -> tuple[int, int]:
     return start, min(start + span * tensor.element_size(), tensor.untyped_storage().nbytes())
 
 
+def saved_by_relu_itself(tensor: torch.Tensor, mark: str) -> bool:
+    """True for the ReLU node saving its own output; False for later ops saving that output.
+
+    ReLU saves its result right after attaching its node, before any other op can see the tensor,
+    so the first pack of a tensor whose ``grad_fn`` is a ReLU node is ReLU's own. ``mark``: the
+    attribute this caller notes it in (each layer of saved-tensor hooks sees every pack: its own).
+    """
+    node = tensor.grad_fn
+    if node is None or type(node).__name__ not in _ONE_BIT_NODES:
+        return False
+    if getattr(tensor, mark, None) == id(node):
+        return False
+    setattr(tensor, mark, id(node))  # an id, not the node: no reference cycle
+    return True
+
+
 class _Handle:
     """What autograd stores for a saved tensor while the tracer is on: a detached alias (no
     reference cycle through ``grad_fn``); its death means autograd released the tensor."""
@@ -311,7 +327,7 @@ class ActivationTracer(TorchDispatchMode):
             handle.offloaded = nbytes
             weakref.finalize(handle, self._host_released, nbytes)
             return handle
-        if self._saved_by_relu_itself(tensor):
+        if saved_by_relu_itself(tensor, "_lowmem_relu_node"):
             key, nbytes = next(self._mask_keys), math.ceil(tensor.numel() / 8)
             start = 0
         elif key in self.created:
@@ -337,21 +353,6 @@ class ActivationTracer(TorchDispatchMode):
             self.ledger.acquire(key, packed.offloaded, "saved", 0, "offloaded")
             packed.offloaded = 0
         return packed.tensor
-
-    @staticmethod
-    def _saved_by_relu_itself(tensor: torch.Tensor) -> bool:
-        """True for the ReLU node saving its own output; False for later ops saving that output.
-
-        ReLU saves its result right after attaching its node, before any other op can see the
-        tensor, so the first pack of a tensor whose ``grad_fn`` is a ReLU node is ReLU's own.
-        """
-        node = tensor.grad_fn
-        if node is None or type(node).__name__ not in _ONE_BIT_NODES:
-            return False
-        if getattr(tensor, "_lowmem_relu_node", None) == id(node):
-            return False
-        tensor._lowmem_relu_node = id(node)  # an id, not the node: no reference cycle
-        return True
 
     # --- every op: gradient hooks, model-state tracking, recomputation ------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

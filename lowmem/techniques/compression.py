@@ -68,7 +68,7 @@ from torch.utils.flop_counter import register_flop_formula
 from lowmem import kernels
 from lowmem.kernels import cpu
 from lowmem.kernels.reference import _fmix32_tensor, fmix32, tensor_keys
-from lowmem.profiler.activations import SAVED_FORM, op_tensors, storage_key
+from lowmem.profiler.activations import SAVED_FORM, op_tensors, saved_by_relu_itself, storage_key
 
 WIDTHS = (8, 4, 2)  # checkpointing.compress, widest first
 GROUP = 256  # elements per quantization group (one FP32 minimum and step each)
@@ -393,7 +393,7 @@ class ActivationCompression(ForwardSavedTensorHooks):
         self._plane: int | None = None  # positions in the plane a max-pooling module runs over
         super().__init__(model)
         for module in model.modules():
-            if isinstance(module, _MAX_POOLS):
+            if isinstance(module, tuple(_MAX_POOLS)):
                 self._handles += [
                     module.register_forward_pre_hook(self._pooling_starts),
                     module.register_forward_hook(self._pooling_ends, always_call=True),
@@ -408,7 +408,7 @@ class ActivationCompression(ForwardSavedTensorHooks):
         self._inputs = {storage_key(t) for t in op_tensors(args) if t.is_floating_point() and t.grad_fn is None}
 
     def _pooling_starts(self, module: nn.Module, args: tuple) -> None:
-        dims = int(type(module).__name__[-2])  # MaxPool2d, AdaptiveMaxPool3d, ...
+        dims = next(d for kind, d in _MAX_POOLS.items() if isinstance(module, kind))
         self._plane = math.prod(args[0].shape[-dims:]) if args and isinstance(args[0], torch.Tensor) else None
 
     def _pooling_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -466,16 +466,17 @@ class ActivationCompression(ForwardSavedTensorHooks):
             return "plain"  # other indices
         if tensor.grad_fn is None:  # a leaf: the minibatch is an activation; parameters, buffers are not
             return "quantized" if storage_key(tensor) in self._inputs else "plain"
-        if _saved_by_relu_itself(tensor):
+        if saved_by_relu_itself(tensor, "_lowmem_sign_node"):
             return "signs"
         if is_model_state(tensor, self._state_shapes):
             return "plain"
         return "quantized"
 
 
-_MAX_POOLS = (
-    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d
-)  # fmt: skip
+_MAX_POOLS = {  # max-pooling modules, each with the dimensions its indices address (the input's last)
+    nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3,
+    nn.AdaptiveMaxPool1d: 1, nn.AdaptiveMaxPool2d: 2, nn.AdaptiveMaxPool3d: 3,
+}  # fmt: skip
 _INT32_POSITIONS = 2**31
 
 
@@ -501,21 +502,6 @@ def state_shapes(model: nn.Module) -> set[tuple[int, ...]]:
     for p in model.parameters():
         shapes.update((tuple(p.shape), tuple(reversed(p.shape))))
     return shapes
-
-
-_RELU_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
-
-
-def _saved_by_relu_itself(tensor: torch.Tensor) -> bool:
-    """True for a ReLU node saving its own output (the first save of it: ReLU saves its result as
-    soon as it is computed), False for a later op saving that output."""
-    node = tensor.grad_fn
-    if node is None or type(node).__name__ not in _RELU_NODES:
-        return False
-    if getattr(tensor, "_lowmem_sign_node", None) == id(node):
-        return False
-    tensor._lowmem_sign_node = id(node)  # an id, not the node: no reference cycle
-    return True
 
 
 def _from_model_state(node: Any, depth: int = 3) -> bool:
