@@ -48,6 +48,7 @@ gpu-report: $(if $(filter command line,$(origin PY)),,$(STAMP))
 bench: $(STAMP)
 	$(PY) scripts/bench_data.py
 	$(PY) scripts/bench_memory.py
+	$(PY) scripts/step_breakdown.py
 	$(PY) scripts/table4_memory.py
 	$(PY) scripts/optimal_curve.py
 	$(PY) scripts/bench_your_model.py
