@@ -284,7 +284,9 @@ class TrainerConfig:
         "auto", "`auto` (a tqdm bar on a terminal, plain log lines otherwise), `bar`, `lines` or `none`."
     )
     num_threads: int | None = knob(None, "CPU threads for torch (null: torch's default).")
-    sync_batchnorm: bool = knob(False, "Data parallel: `SyncBatchNorm` instead of per-rank BatchNorm statistics.")
+    sync_batchnorm: bool = knob(
+        False, "Data parallel on CUDA: `SyncBatchNorm` instead of per-rank BatchNorm statistics (refused on a CPU)."
+    )
     parallel: str = knob(
         "ddp",
         "Data parallel under torchrun: `ddp` (DistributedDataParallel: every rank holds the whole model, gradients "
@@ -680,22 +682,10 @@ def _validate_parallel(cfg: DictConfig | Config) -> None:
     if parallel != "fsdp":
         return
     _require(
-        cfg.sparsity.density == 1.0 or cfg.sparsity.storage == "compact",
-        "sparsity.storage",
-        cfg.sparsity.storage,
-        "with trainer.parallel=fsdp only compact (masked sparse weights are not sharded yet)",
-    )
-    _require(
         not cfg.trainer.sync_batchnorm,
         "trainer.sync_batchnorm",
         cfg.trainer.sync_batchnorm,
         "false with trainer.parallel=fsdp (SyncBatchNorm is not sharded yet)",
-    )
-    _require(
-        str(cfg.checkpointing.compress) == "none",
-        "checkpointing.compress",
-        cfg.checkpointing.compress,
-        "none with trainer.parallel=fsdp (compressed saved activations are not tested with sharding yet)",
     )
     _require(
         not cfg.checkpointing.offload,

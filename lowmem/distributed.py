@@ -48,8 +48,14 @@ def local_device(device: torch.device) -> torch.device:
     return device
 
 
+def launched_ranks() -> int:
+    """The number of ranks torchrun launched (``WORLD_SIZE``; 1 without it), known before the
+    process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def check_batch_divisible(batch_size: int) -> None:
-    n = int(os.environ.get("WORLD_SIZE", "1"))
+    n = launched_ranks()
     if batch_size % n != 0:
         raise ConfigError(
             f"data.batch_size={batch_size} is the global minibatch and must be divisible by the "

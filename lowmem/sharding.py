@@ -47,7 +47,7 @@ from lowmem.residual import residual_stacks
 from lowmem.techniques.chains import find_block_chains, installed_runners
 from lowmem.techniques.compact import SHARED_VALUES, compact_modules, compact_state_dict_keys, dense_weight
 from lowmem.techniques.precision import NORMALIZATION_TYPES
-from lowmem.techniques.shards import full, local, row_range, write_full
+from lowmem.techniques.shards import full, local, local_rows, row_range, write_full
 from lowmem.techniques.shards import is_sharded as is_sharded_tensor
 from lowmem.techniques.sparsity import DynamicSparsity
 
@@ -454,12 +454,20 @@ def account_shards(
     gathered in (``gathered_dtype``: ``precision=amp``'s autocast dtype; None: their own). The
     weights every rank holds whole (``replicated_parameters``) are not gathered."""
     model_bytes = optimizer_bytes = state_bytes = 0
-    for param in model.parameters():
+    # Masked sparse weights count their active entries in this rank's rows, as CSR (the report's
+    # definition, as in one process); every rank holds the masks whole, as the compact positions.
+    masks = sparsity.masks if sparsity is not None and sparsity.compact is None else {}
+    for name, param in model.named_parameters():
         piece = local(param)
-        model_bytes += piece.numel() * piece.element_size()
+        entries = piece.numel()
+        if name in masks:
+            rows = local_rows(masks[name], param)
+            entries = int(rows.sum())
+            model_bytes += csr_index_bytes(rows.shape, entries) if rows.numel() else 0
+        model_bytes += entries * piece.element_size()
         if param.requires_grad:
-            held = _state_entry_bytes(optimizer, param, piece.numel(), None, None)
-            optimizer_bytes += piece.numel() * piece.element_size() + held
+            held = _state_entry_bytes(optimizer, param, entries, None, None)
+            optimizer_bytes += entries * piece.element_size() + held
             state_bytes += held
     if sparsity is not None and sparsity.compact is not None:
         model_bytes += sum(csr_index_bytes(shape, count) for shape, count in sparsity.trained_parameters().values())

@@ -193,6 +193,16 @@ class Trainer:
             parts += [(smallest, 0.0)] * (most - len(parts))
         return parts
 
+    def _first_microbatch(self, count: int) -> int:
+        """The index this rank's first microbatch of a step draws compression's random bits for:
+        0 in one process; under data parallelism rank r starts at r x the most microbatches any rank
+        runs, so ranks never draw the same bits, and where shares split into equally many
+        microbatches (examples) each draws the bits of the same microbatch in one process (rank r's
+        share is the r-th slice of the minibatch). Without compression: 0, no collective."""
+        if self.compression is None or distributed.world_size() == 1:
+            return 0
+        return distributed.rank() * distributed.most_over_ranks(count, self.device)
+
     def microbatch_backward(
         self, part: Any, weight: float, index: int = 0, count: int = 1, *, local: bool = False
     ) -> torch.Tensor:
@@ -261,9 +271,10 @@ class Trainer:
         loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
         if self.running_statistics is not None:
             self.running_statistics.before_step()
+        first = self._first_microbatch(len(parts))
         for index, (part, weight) in enumerate(parts):
             if self.compression is not None:  # the random bits of this microbatch (a resume draws the same)
-                self.compression.start_microbatch(self.state.step, index)
+                self.compression.start_microbatch(self.state.step, first + index)
             loss_total += self.microbatch_backward(part, weight, index, len(parts)).float() * weight
         if self.running_statistics is not None:  # sharded: BatchNorm statistics as one process's
             self.running_statistics.after_step()
@@ -745,6 +756,11 @@ def start_run(cfg: DictConfig) -> tuple[torch.device, PrecisionPolicy]:
     device = resolve_device(cfg.trainer.device)
     distributed.check_batch_divisible(cfg.data.batch_size)
     torch.manual_seed(cfg.trainer.seed)
+    if cfg.trainer.sync_batchnorm and device.type == "cpu" and distributed.launched_ranks() > 1:
+        raise ConfigError(
+            "trainer.sync_batchnorm=true needs a CUDA device: torch's SyncBatchNorm refuses CPU tensors when it "
+            "synchronizes ranks; on cpu use trainer.sync_batchnorm=false (per-rank BatchNorm statistics)"
+        )
     if cfg.checkpointing.offload and device.type != "cuda":
         raise ConfigError(
             "checkpointing.offload=true needs a CUDA device (it copies saved activations to pinned host memory "

@@ -59,7 +59,6 @@ def llama() -> nn.Module:
 # smallest reachable)
 MODELS = {
     "torchvision_resnet18": (lambda: torchvision.models.resnet18(num_classes=10), classification_loss, images, 40.0),
-    "timm_resnet18": (lambda: timm.create_model("resnet18", num_classes=10), classification_loss, images, 46.0),
     "timm_convnext_atto": (
         lambda: timm.create_model("convnext_atto", num_classes=10), classification_loss, images, 24.0,
     ),
@@ -72,8 +71,10 @@ MODELS = {
 
 
 # About 30-60 s each on two CPU cores (a search, a plain and a planned step): the cases beyond the
-# issue's own (torchvision resnet18 at 40 MB) and one transformer run in `make test` only.
-SLOW = {"timm_resnet18", "timm_convnext_atto", "timm_efficientnet_b0", "llama"}
+# issue's own (torchvision resnet18 at 40 MB) and one transformer run in `make test` only. timm's
+# resnet18 (torchvision's architecture again, budget 46 MB) was measured within its budget and left
+# out for time.
+SLOW = {"timm_convnext_atto", "timm_efficientnet_b0", "llama"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in MODELS])

@@ -119,6 +119,18 @@ def test_a_global_batch_not_divisible_by_the_ranks_is_refused(monkeypatch):
         build_trainer(make_config(*TINY_WRN))
 
 
+def test_sync_batchnorm_on_cpu_ranks_is_refused_at_start_naming_the_knob(monkeypatch):
+    """torch's SyncBatchNorm raises on CPU tensors at the first synchronized forward: refused before."""
+    import pytest
+
+    from lowmem.config import ConfigError
+    from lowmem.trainer import build_trainer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="trainer.sync_batchnorm=true needs a CUDA device"):
+        build_trainer(make_config(*TINY_WRN, "trainer.sync_batchnorm=true", "trainer.device=cpu"))
+
+
 def test_the_profiler_reports_per_rank_memory_under_torchrun(tmp_path):
     import json
     import subprocess
@@ -143,9 +155,8 @@ def test_the_profiler_reports_per_rank_memory_under_torchrun(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = sorted(
-        (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")), key=lambda row: row["rank"]
-    )
+    # Each rank's row from its own file: the ranks' printed lines may interleave on a busy machine.
+    rows = [json.loads((tmp_path / "ddp" / f"profile.rank{rank}.json").read_text()) for rank in range(2)]
     single = subprocess.run(
         [sys.executable, "-m", "lowmem.profile", *tiny, f"hydra.run.dir={tmp_path / 'one'}"],
         cwd=ROOT,

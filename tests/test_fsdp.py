@@ -182,6 +182,68 @@ def test_two_ranks_equal_one_process_and_resume_on_one(tmp_path):
     _assert_close(one, torch.load(tmp_path / "resumed" / "model.pt", weights_only=True))
 
 
+def test_masked_sparse_weights_on_two_ranks_equal_one_process(tmp_path):
+    """The report's masked storage (dense weights, zero where inactive): gradients masked in each
+    rank's rows, every weight gathered for a rewiring, the one-process decisions taken on every
+    rank, each rank keeping its rows of the weights and of the optimizer state."""
+    from lowmem.trainer import build_trainer
+
+    masked = ("sparsity.storage=masked", "trainer.max_steps=4")
+    _launch(2, tmp_path / "fsdp", "fit", *masked)
+    single = build_trainer(make_config(*OVERRIDES, *masked))
+    (tmp_path / "one").mkdir()
+    single.fit(tmp_path / "one")
+    one = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
+    _assert_close(one, torch.load(tmp_path / "fsdp" / "whole" / "model.pt", weights_only=True))
+    ranks = [torch.load(tmp_path / "fsdp" / f"rank{r}.pt", weights_only=True)["masks"] for r in range(2)]
+    for name, mask in single.sparsity.masks.items():
+        assert torch.equal(mask, ranks[0][name]) and torch.equal(mask, ranks[1][name]), name
+        assert not one[name][~mask].any(), name  # inactive weights stay exactly zero
+    assert (tmp_path / "fsdp" / "half" / "metrics.jsonl").read_text().count('"rewiring"') == 2
+
+
+def test_masked_rewiring_resets_sharded_8bit_adam_state_at_inactive_positions(tmp_path):
+    """Masked storage with 8-bit Adam state on 2 ranks: each rank requantizes its own blocks with the
+    entries that became inactive at zero (exactly: a zero stays a zero), and trains on."""
+    from lowmem.trainer import build_trainer
+
+    overrides = ("sparsity.storage=masked", "precision=fp16", "optim.name=adam", "optim.lr=0.001",
+                 "optim.state_bits=8", "trainer.max_steps=4")  # fmt: skip
+    _launch(2, tmp_path, "fit", *overrides)  # state after the second (last) rewiring, step 2: half.pt
+    single = build_trainer(make_config(*OVERRIDES, *overrides))  # the optimizer's order of parameters
+    names = {id(p): n for n, p in single.unwrapped_model.named_parameters()}
+    order = [names[id(p)] for group in single.optimizer.param_groups for p in group["params"]]
+    state = torch.load(tmp_path / "half.pt", weights_only=True)
+    masks = torch.load(tmp_path / "rank0.pt", weights_only=True)["masks"]  # as after step 2: no rewiring since
+    checked = 0
+    for key, value in state.items():
+        name = order[int(key.split(".")[0])]
+        if name in masks:
+            assert not value.view(masks[name].shape)[~masks[name]].any(), key
+            assert value.view(masks[name].shape)[masks[name]].any(), key
+            checked += 1
+    assert checked == 2 * len(masks)  # both moments of every sparse weight
+
+
+def test_compressed_activations_on_two_ranks_equal_one_process(tmp_path):
+    """8-bit saved activations under fsdp: each rank's microbatches draw the random bits of the same
+    microbatches in one process, and the compact values (views of FSDP2's gathered parameter) are
+    kept exact, as one process keeps its parameters: the runs end equal within reduction order."""
+    from lowmem.trainer import build_trainer
+
+    # No checkpointing: every block's saves are compressed in forward (a recomputation's are not).
+    compress = ("checkpointing.strategy=none", "checkpointing.compress=8", "trainer.max_steps=4")
+    _launch(2, tmp_path / "fsdp", "fit", *compress)
+    single = build_trainer(make_config(*OVERRIDES, *compress))
+    (tmp_path / "one").mkdir()
+    single.fit(tmp_path / "one")
+    probe = build_trainer(make_config(*OVERRIDES, *compress))
+    probe.train_step(probe.example_batch())
+    assert probe.compression.compressed_bytes > 0  # the runs compare compressed steps
+    one = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
+    _assert_close(one, torch.load(tmp_path / "fsdp" / "whole" / "model.pt", weights_only=True))
+
+
 # DynamicConv, small: 4 updates of a global minibatch of 800 tokens in token microbatches of 200 (2 per
 # rank on 2 ranks), FP64, no dropout of any kind (its draws differ between a rank and one process),
 # compact density 0.3 rewired at steps 1 and 2.
@@ -295,11 +357,9 @@ def test_per_rank_optimizer_state_resumes_exactly_on_another_number_of_ranks(tmp
     ("overrides", "message"),
     [
         (["trainer.parallel=zero3"], "trainer.parallel='zero3' is not allowed: one of ddp, fsdp"),
-        (["trainer.parallel=fsdp", "sparsity.density=0.5", "sparsity.storage=masked"], "sparsity.storage='masked'"),
         (["trainer.gradient_sync=never"], "trainer.gradient_sync='never' is not allowed"),
         (["precision.reduce_dtype=fp8"], "precision.reduce_dtype='fp8' is not allowed"),
         (["plan.world_size=0"], "plan.world_size=0 is not allowed"),
-        (["trainer.parallel=fsdp", "checkpointing.compress=4"], "checkpointing.compress=4 is not allowed"),
     ],
 )
 def test_what_sharding_cannot_do_is_refused_naming_the_knob(overrides, message):

@@ -489,9 +489,14 @@ def _index_dtype(positions: int) -> torch.dtype:
 
 def is_model_state(tensor: torch.Tensor, state_shapes: set[tuple[int, ...]]) -> bool:
     """Whether a saved ``tensor`` is model state, not an activation: a leaf (a parameter, a buffer,
-    the minibatch) or a parameter transposed, cast or masked (shaped like a parameter, of one of
-    ``state_shapes``, and computed from parameters alone)."""
+    the minibatch), a view of a parameter (a part of it: each layer's compact values under
+    ``trainer.parallel=fsdp`` are views of one gathered parameter), or a parameter transposed,
+    cast or masked (shaped like a parameter, of one of ``state_shapes``, and computed from
+    parameters alone)."""
     if tensor.grad_fn is None:
+        return True
+    base = tensor._base
+    if base is not None and base.grad_fn is None and base.requires_grad:
         return True
     return tuple(tensor.shape) in state_shapes and _from_model_state(tensor.grad_fn)
 

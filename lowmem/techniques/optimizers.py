@@ -153,6 +153,9 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
         slices of blocks holding such a position are read back, zeroed there and quantized anew (a
         zero stays an exact zero); the others are left as they are. State in the parameter's dtype
         is zeroed in place."""
+        if isinstance(param, DTensor):  # sharded: this rank's rows of ``where``, its own blocks
+            self._reset_local_state(param, local_rows(where.to(local(param).device).view(param.shape), param))
+            return
         where = where.to(param.device).reshape(-1)
         for key in self._shaped_like(param):
             self.state[param][key].masked_fill_(where.view(param.shape), 0)
@@ -165,6 +168,21 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
                 values = quantized.read_slice(state, start, hit.numel(), self.state_bits, self.block_size, signed)
                 quantized.write_slice(state, start, values.masked_fill_(hit, 0), self.state_bits, self.block_size,
                                       signed)
+
+    def _reset_local_state(self, param: torch.Tensor, where: torch.Tensor) -> None:
+        """``reset_state`` of a sharded ``param``, ``where`` its rows this rank holds: state in the
+        parameter's dtype zeroed in place (an FP16 moment's zero is exact at any scale); quantized
+        state read back, zeroed there and quantized anew in this rank's own blocks."""
+        for key in self._shaped_like(param):
+            local(self.state[param][key]).masked_fill_(where, 0)
+        state = self.state[param]
+        for name, signed in self._moments_of(param):
+            values = self._read_local(param, name, signed).masked_fill_(where.reshape(-1), 0)
+            state[f"{name}_codes"], state[f"{name}_scales"] = quantized.quantize(
+                values, self.state_bits, self.block_size, signed
+            )
+        if any(True for _ in self._moments_of(param)):
+            state.pop(SEGMENTS, None)  # quantized anew in this rank's own blocks
 
     @torch.no_grad()
     def remap_state(self, param: torch.Tensor, kept_from: torch.Tensor, kept_to: torch.Tensor, size: int) -> None:

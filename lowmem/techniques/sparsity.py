@@ -20,15 +20,16 @@ state share one sparsity pattern.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from lowmem.techniques.compact import CompactWeights
-from lowmem.techniques.shards import full, moved_entries, write_full
+from lowmem.techniques.shards import full, is_sharded, local, local_rows, moved_entries, write_full
 
 # How sparse weights are stored (see DynamicSparsity) and how they are initialised.
 STORAGES = ("compact", "masked")
@@ -157,8 +158,8 @@ def reset_optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor,
         optimizer.reset_state(param, where)
         return
     for value in optimizer.state.get(param, {}).values():
-        if isinstance(value, torch.Tensor) and value.shape == param.shape:
-            value.masked_fill_(where.to(value.device), 0)
+        if isinstance(value, torch.Tensor) and value.shape == param.shape:  # sharded: this rank's rows
+            local(value).masked_fill_(local_rows(where.to(local(value).device), value), 0)
 
 
 def remap_optimizer_state(
@@ -339,8 +340,8 @@ class DynamicSparsity:
         """
         for name in self._inactive:
             weight = self.model.get_parameter(name)
-            if weight.grad is not None:
-                weight.grad.masked_fill_(self._on_device(name, weight), 0)
+            if weight.grad is not None:  # sharded: this rank's rows
+                local(weight.grad).masked_fill_(local_rows(self._on_device(name, weight), weight.grad), 0)
 
     # --------------------------------------------------------------------------------- rewiring
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer, epoch: float) -> dict | None:
@@ -375,7 +376,27 @@ class DynamicSparsity:
         if self.compact is not None:
             with self.compact.gathered():
                 return self._rewire(optimizer)
-        return self._rewire(optimizer)
+        with self._gathered_weights():
+            return self._rewire(optimizer)
+
+    @contextlib.contextmanager
+    def _gathered_weights(self) -> Iterator[None]:
+        """Masked storage sharded across ranks (FSDP2): inside, ``_weight`` gives every sparse weight
+        whole (gathered: a collective, entered on every rank), so every rank takes the one-process
+        decisions; what is written there is kept (each rank copies back the rows it holds)."""
+        sharded = [name for name in self._names if is_sharded(self.model.get_parameter(name))]
+        self._whole = {name: full(self.model.get_parameter(name).detach()).clone() for name in sharded}
+        try:
+            yield
+            for name, whole in self._whole.items():
+                write_full(self.model.get_parameter(name).detach(), whole)
+        finally:
+            self._whole = {}
+
+    def _weight(self, name: str) -> torch.Tensor:
+        """Masked storage: sparse weight ``name`` (whole while ``_gathered_weights`` holds it)."""
+        whole = getattr(self, "_whole", {}).get(name)
+        return whole if whole is not None else self.model.get_parameter(name)
 
     def _rewire(self, optimizer: torch.optim.Optimizer | None) -> dict:
         # The active values per weight, in increasing order of flat position (their positions are
@@ -430,13 +451,13 @@ class DynamicSparsity:
 
     def _commit_masked(self, actives, keep, regrown, optimizer) -> None:
         for name, kept, new in zip(self._names, keep, regrown, strict=True):
-            weight = self.model.get_parameter(name)
+            weight = self._weight(name)
             inactive = self._on_device(name, weight)
             pruned_here = self._active_positions(name)[kept.logical_not()]
             inactive.view(-1)[pruned_here] = True  # now: inactive after pruning, before regrowth
             weight.view(-1)[pruned_here] = 0
-            if optimizer is not None:
-                reset_optimizer_state(optimizer, weight, inactive)  # inactive and (still) the regrown
+            if optimizer is not None:  # inactive and (still) the regrown; sharded: each rank its rows
+                reset_optimizer_state(optimizer, self.model.get_parameter(name), inactive)
             inactive.view(-1)[new] = False
 
     def _commit_compact(self, actives, keep, regrown, optimizer) -> None:
@@ -544,14 +565,14 @@ class DynamicSparsity:
         """The values of the active entries of weight ``name``, in increasing order of flat position."""
         if self.compact is not None:
             return self.compact.values_of(name).detach()
-        weight = self.model.get_parameter(name)
+        weight = self._weight(name)
         return weight.detach().view(-1)[self._on_device(name, weight).view(-1).logical_not()]
 
     def _active_positions(self, name: str) -> torch.Tensor:
         """The flat positions (increasing, int64) of the active entries of weight ``name``: a new tensor."""
         if self.compact is not None:
             return self.compact.positions(name)
-        weight = self.model.get_parameter(name)
+        weight = self._weight(name)
         return self._on_device(name, weight).view(-1).logical_not().nonzero().squeeze(1)
 
     def _active_counts(self) -> list[int]:
