@@ -495,8 +495,7 @@ def is_model_state(tensor: torch.Tensor, state_shapes: set[tuple[int, ...]]) -> 
     parameters alone)."""
     if tensor.grad_fn is None:
         return True
-    base = tensor._base
-    if base is not None and base.grad_fn is None and base.requires_grad:
+    if isinstance(tensor._base, nn.Parameter):  # not a recomputation's input: a view of a plain leaf
         return True
     return tuple(tensor.shape) in state_shapes and _from_model_state(tensor.grad_fn)
 
