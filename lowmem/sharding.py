@@ -488,37 +488,8 @@ def account_shards(
         "model_bytes": model_bytes,
         "optimizer_bytes": optimizer_bytes,
         "optimizer_state_bytes": state_bytes,
-        "gathered_bytes": root + held_in_backward(others),
-        "gradient_unit_bytes": root + max(others, default=0),
-        "reduce_scatter_bytes": reduce_scatter_extra(root, others, _shared_values_bytes(sparsity)),
+        "gathered_bytes": root + max(others, default=0),
     }
-
-
-def _shared_values_bytes(sparsity: DynamicSparsity | None) -> int:
-    """The compact values all layers share under sharding (``CompactWeights.share_values``), whole."""
-    if sparsity is None or sparsity.compact is None or sparsity.compact.shared is None:
-        return 0
-    values = sparsity.compact.shared_values
-    return values.numel() * values.element_size()
-
-
-def reduce_scatter_extra(root: int, blocks: Sequence[int], shared_values: int = 0) -> int:
-    """What a reduce-scatter holds beyond the gradients it reduces: the flat copy FSDP2 reduces from
-    (as large as the largest unit) and, with compact values shared by all layers (``shared_values``
-    bytes, part of the root), the layers' gradients of them while backward joins them into the
-    root's. Measured on WRN-28-2 (2 ranks, FP16, density 0.3, microbatches of 10): without them,
-    the budget figure was 15% below the peak."""
-    return max(root, max(blocks, default=0)) + shared_values
-
-
-def held_in_backward(sizes: Sequence[int]) -> int:
-    """The most bytes of blocks (``sizes``, in forward order) gathered at once: in backward, FSDP2
-    gathers the block before the one it backpropagates ahead of time (its implicit backward
-    prefetch), so two consecutive blocks are held whole; one block alone if there is one.
-    Measured (WRN-16-4 FP32, 2 ranks): counting one block, the budget figure was 7% below the peak."""
-    if len(sizes) < 2:
-        return max(sizes, default=0)
-    return max(a + b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
 
 
 def planned_gathered_bytes(
@@ -527,33 +498,27 @@ def planned_gathered_bytes(
     *,
     param_dtype: torch.dtype,
     autocast_dtype: torch.dtype | None = None,
-    gradient_unit: bool = False,
-) -> int | tuple[int, int]:
+) -> int:
     """What ``account_shards`` calls ``gathered_bytes`` for ``model`` not sharded yet (the planner's
     what-if): the weights outside the blocks ``shard_model`` would make units, compact sparse values
-    included (one root parameter), plus the two consecutive blocks' held in backward
-    (``held_in_backward``), in the dtype FSDP2 gathers them in (``autocast_dtype`` under amp), less
-    those every rank holds whole; ``sparse``: name -> (dense shape, active count) of the sparse
-    weights; ``param_dtype``, ``autocast_dtype``: as for ``shard_model``. With
-    ``gradient_unit=True``, what it calls ``gradient_unit_bytes`` and ``reduce_scatter_bytes``."""
+    included (one root parameter), plus the largest block's, in the dtype FSDP2 gathers them in
+    (``autocast_dtype`` under amp), less those every rank holds whole; ``sparse``: name -> (dense
+    shape, active count) of the sparse weights; ``param_dtype``, ``autocast_dtype``: as for
+    ``shard_model``."""
     sparse = sparse or {}
     blocks = sharded_blocks(model)
     block_of = {id(p): index for index, block in enumerate(blocks) for p in block.parameters()}
     replicated = {id(p) for p in replicated_parameters(model, param_dtype, autocast_dtype)}
-    root, per_block, sizes = 0, [0] * len(blocks), {}
+    root, per_block = 0, [0] * len(blocks)
     for name, param in model.named_parameters():
         if id(param) in replicated:
             continue
         size = (sparse[name][1] if name in sparse else param.numel()) * (autocast_dtype or param.dtype).itemsize
-        sizes[name] = size
         if name in sparse or id(param) not in block_of:
             root += size
         else:
             per_block[block_of[id(param)]] += size
-    if gradient_unit:  # (the gradients of the root and the largest block, what reducing them adds)
-        shared = sum(size for name, size in sizes.items() if name in sparse)
-        return root + max(per_block, default=0), reduce_scatter_extra(root, per_block, shared)
-    return root + held_in_backward(per_block)
+    return root + max(per_block, default=0)
 
 
 def per_rank_report(
@@ -561,16 +526,14 @@ def per_rank_report(
 ) -> MemoryReport:
     """One rank's report: ``unsharded``'s activations and FLOPs (this rank's share of the minibatch,
     accounted before sharding), with the model and optimizer bytes of its shards, the gathered
-    weights (``gathered_bytes``, a prefetched block included) and the gradients held before a
-    reduce-scatter (the root's and the largest block's, ``gradient_unit_bytes``; with
-    ``trainer.gradient_sync=minibatch`` every gradient, whole) with what reducing them adds
-    (``reduce_scatter_bytes``) in the budget figure, and ``peak``, measured on the sharded step."""
+    weights (``gathered_bytes``; their gradients before the reduce-scatter take as much again, and
+    with ``trainer.gradient_sync=minibatch`` every gradient is held whole) in the budget figure, and
+    ``peak``, measured on the sharded step."""
     state = shards["model_bytes"] + shards["optimizer_bytes"]
     activations = unsharded.total_bytes - unsharded.model_bytes - unsharded.optimizer_bytes
     held = unsharded.total_with_graph_pool_bytes - unsharded.model_bytes - unsharded.optimizer_bytes
     gathered = shards["gathered_bytes"]
-    gradients = unsharded.model_bytes if gradient_sync == "minibatch" else shards["gradient_unit_bytes"]
-    gradients += shards["reduce_scatter_bytes"]
+    gradients = unsharded.model_bytes if gradient_sync == "minibatch" else gathered
     return replace(
         unsharded,
         model_bytes=shards["model_bytes"],

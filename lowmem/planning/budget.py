@@ -146,7 +146,7 @@ def _per_rank(
     optimizer state, and the weights gathered at once with their gradients (in the budget figure)."""
     state = planner.state_bytes(chosen.density, chosen.precision, chosen.state_bits)
     change = state.model_bytes + state.optimizer_bytes - row["model_bytes"] - row["optimizer_bytes"]
-    gathered = planner.gathered_bytes(chosen.density, chosen.precision)  # weights and their gradients
+    gathered = planner.gathered_bytes(chosen.density, chosen.precision)
     changes = {
         "model_bytes": state.model_bytes,
         "optimizer_bytes": state.optimizer_bytes,
@@ -154,7 +154,7 @@ def _per_rank(
         "total_bytes": row["total_bytes"] + change,
         "total_with_graph_pool_bytes": row["total_with_graph_pool_bytes"] + change,
         "budget_total_bytes": row["budget_total_bytes"] + change + gathered,
-        "gathered_bytes": planner.gathered_weights(chosen.density, chosen.precision),
+        "gathered_bytes": gathered // 2,
     }
     return replace(report, **changes), {**row, **changes}
 

@@ -679,32 +679,20 @@ class Planner:
 
     def gathered_bytes(self, density: float, precision: str, sync: str | None = None) -> int:
         """``plan.world_size`` above 1: the weights FSDP2 gathers at once at most
-        (``lowmem.sharding.planned_gathered_bytes``, a block prefetched in backward included) and
-        the gradients held before a reduce-scatter: the root's and the largest block's, or with
-        gradient ``sync`` ``minibatch`` (microbatches accumulated before one reduce-scatter) every
-        gradient whole, and what reducing them adds, as ``lowmem.profile`` counts them; else 0."""
+        (``lowmem.sharding.planned_gathered_bytes``) and the gradients held before a reduce-scatter:
+        theirs, or with gradient ``sync`` ``minibatch`` (microbatches accumulated before one
+        reduce-scatter) every gradient whole, as ``lowmem.profile`` counts them; else 0."""
         if self.world_size == 1:
             return 0
         trainer = self._trainer_for(precision, None)
         sparse, policy = self._sparse_weights(trainer, density), trainer.policy
         model = trainer.unwrapped_model
-        dtypes = {"param_dtype": policy.param_dtype, "autocast_dtype": policy.autocast_dtype}
-        gathered = planned_gathered_bytes(model, sparse, **dtypes)
-        unit, reducing = planned_gathered_bytes(model, sparse, **dtypes, gradient_unit=True)
-        if sync != "minibatch":
-            return gathered + unit + reducing
-        return gathered + account_state(model, trainer.optimizer, sparse).model_bytes + reducing
-
-    def gathered_weights(self, density: float, precision: str) -> int:
-        """``plan.world_size`` above 1: the weights FSDP2 gathers at once at most (what
-        ``lowmem.profile`` reports as ``gathered_bytes``); else 0."""
-        if self.world_size == 1:
-            return 0
-        trainer = self._trainer_for(precision, None)
-        sparse, policy = self._sparse_weights(trainer, density), trainer.policy
-        return planned_gathered_bytes(
-            trainer.unwrapped_model, sparse, param_dtype=policy.param_dtype, autocast_dtype=policy.autocast_dtype
+        gathered = planned_gathered_bytes(
+            model, sparse, param_dtype=policy.param_dtype, autocast_dtype=policy.autocast_dtype
         )
+        if sync != "minibatch":
+            return 2 * gathered
+        return gathered + account_state(model, trainer.optimizer, sparse).model_bytes
 
     def _sparse_weights(self, trainer: Trainer, density: float) -> dict | None:
         """The sparse weights at ``density`` (name -> dense shape, active count), as DSR keeps them."""

@@ -49,8 +49,8 @@ ROW_FIELDS = {
     "budget_total_bytes": "`total_with_graph_pool_bytes` + `step_temporary_bytes`: the figure `lowmem.plan` and "
     "`checkpointing.budget_mb` compare with a budget.",
     "gathered_bytes": "`trainer.parallel=fsdp`: the weights FSDP2 gathers whole at once at most (the root's, held "
-    "from forward through backward, plus two consecutive blocks': backward gathers the next block ahead); "
-    "`model_bytes` and `optimizer_bytes` are then this rank's shards. 0 when not sharded.",
+    "from forward through backward, plus the largest block's); `model_bytes` and `optimizer_bytes` are then this "
+    "rank's shards. 0 when not sharded.",
     "peak_bytes": "The measured peak of one real training step on the device (CUDA: the allocator's "
     "`max_memory_allocated`, plus the graph pool's unused reserve; CPU: lowmem's tensor tracker); null with "
     "`profile.measure_peak=false`.",
