@@ -68,7 +68,11 @@ def exact(got: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def test_compact_layers_equal_dense_masked_ones_forward_and_backward_bitwise():
+# A convolution's backward: one kernel call for a small weight, or, for a large one (1 byte stands for
+# it), the input's gradient and then the weight's, each dense weight-sized tensor dropped in between.
+@pytest.mark.parametrize("one_call_bytes", [compact.ONE_CALL_BYTES, 1])
+def test_compact_layers_equal_dense_masked_ones_forward_and_backward_bitwise(one_call_bytes, monkeypatch):
+    monkeypatch.setattr(compact, "ONE_CALL_BYTES", one_call_bytes)
     model, sparsity = sparse_model("compact")
     reference = compact.dense_copy(model)
     images, tokens, _ = batch(0)
