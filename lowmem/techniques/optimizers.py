@@ -181,7 +181,7 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
             state[f"{name}_codes"], state[f"{name}_scales"] = quantized.quantize(
                 values, self.state_bits, self.block_size, signed
             )
-        if any(True for _ in self._moments_of(param)):
+        if self._moments_of(param):
             state.pop(SEGMENTS, None)  # quantized anew in this rank's own blocks
 
     @torch.no_grad()

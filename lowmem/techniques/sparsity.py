@@ -277,6 +277,7 @@ class DynamicSparsity:
                 weight.mul_(masks[name])
         # Masked storage keeps the *inactive* masks: gradients are masked in place with no new tensor.
         self._inactive: dict[str, torch.Tensor] = {}
+        self._whole: dict[str, torch.Tensor] = {}  # sharded masked weights, gathered for a rewiring
         self.compact: CompactWeights | None = None
         if storage == "compact":
             self.compact = CompactWeights(model, self._names, masks)
@@ -395,7 +396,7 @@ class DynamicSparsity:
 
     def _weight(self, name: str) -> torch.Tensor:
         """Masked storage: sparse weight ``name`` (whole while ``_gathered_weights`` holds it)."""
-        whole = getattr(self, "_whole", {}).get(name)
+        whole = self._whole.get(name)
         return whole if whole is not None else self.model.get_parameter(name)
 
     def _rewire(self, optimizer: torch.optim.Optimizer | None) -> dict:
