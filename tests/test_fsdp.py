@@ -155,21 +155,31 @@ def _assert_close(a: dict, b: dict) -> None:
             assert torch.equal(value, b[key]), key
 
 
-def test_two_ranks_equal_one_process_and_resume_on_one(tmp_path):
-    from lowmem.train import run
+def _two_ranks_and_one_process(tmp_path: Path, *overrides: str, base: tuple[str, ...] = OVERRIDES):
+    """Fit on 2 fsdp ranks (under ``tmp_path / "fsdp"``) and in one process (``tmp_path / "one"``);
+    check the runs' model.pt equal within reduction order and, with sparsity, every rank's masks
+    equal one process's. Returns the one-process trainer and its model.pt."""
     from lowmem.trainer import build_trainer
 
-    _launch(2, tmp_path / "fsdp", "fit", "trainer.max_steps=4")
-    single = build_trainer(make_config(*OVERRIDES, "trainer.max_steps=4"))
+    _launch(2, tmp_path / "fsdp", "fit", *overrides, base=base)
+    single = build_trainer(make_config(*base, *overrides))
     (tmp_path / "one").mkdir()
     single.fit(tmp_path / "one")
     one = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
     # model.pt: one full state dict with the model's own keys, written by rank 0; BatchNorm's running
     # statistics are those of one process too.
     _assert_close(one, torch.load(tmp_path / "fsdp" / "whole" / "model.pt", weights_only=True))
-    ranks = [torch.load(tmp_path / "fsdp" / f"rank{r}.pt", weights_only=True)["masks"] for r in range(2)]
-    for name, mask in single.sparsity.masks.items():
-        assert torch.equal(mask, ranks[0][name]) and torch.equal(mask, ranks[1][name]), name
+    if single.sparsity is not None:
+        ranks = [torch.load(tmp_path / "fsdp" / f"rank{r}.pt", weights_only=True)["masks"] for r in range(2)]
+        for name, mask in single.sparsity.masks.items():
+            assert torch.equal(mask, ranks[0][name]) and torch.equal(mask, ranks[1][name]), name
+    return single, one
+
+
+def test_two_ranks_equal_one_process_and_resume_on_one(tmp_path):
+    from lowmem.train import run
+
+    _, one = _two_ranks_and_one_process(tmp_path, "trainer.max_steps=4")
     assert (tmp_path / "fsdp" / "half" / "metrics.jsonl").read_text().count('"rewiring"') == 2  # steps 1 and 2
     # The 2-rank checkpoint at step 2 resumes in one process (a shard of 1) and ends where one process does.
     (tmp_path / "resumed").mkdir()
@@ -186,18 +196,8 @@ def test_masked_sparse_weights_on_two_ranks_equal_one_process(tmp_path):
     """The report's masked storage (dense weights, zero where inactive): gradients masked in each
     rank's rows, every weight gathered for a rewiring, the one-process decisions taken on every
     rank, each rank keeping its rows of the weights and of the optimizer state."""
-    from lowmem.trainer import build_trainer
-
-    masked = ("sparsity.storage=masked", "trainer.max_steps=4")
-    _launch(2, tmp_path / "fsdp", "fit", *masked)
-    single = build_trainer(make_config(*OVERRIDES, *masked))
-    (tmp_path / "one").mkdir()
-    single.fit(tmp_path / "one")
-    one = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
-    _assert_close(one, torch.load(tmp_path / "fsdp" / "whole" / "model.pt", weights_only=True))
-    ranks = [torch.load(tmp_path / "fsdp" / f"rank{r}.pt", weights_only=True)["masks"] for r in range(2)]
+    single, one = _two_ranks_and_one_process(tmp_path, "sparsity.storage=masked", "trainer.max_steps=4")
     for name, mask in single.sparsity.masks.items():
-        assert torch.equal(mask, ranks[0][name]) and torch.equal(mask, ranks[1][name]), name
         assert not one[name][~mask].any(), name  # inactive weights stay exactly zero
     assert (tmp_path / "fsdp" / "half" / "metrics.jsonl").read_text().count('"rewiring"') == 2
 
@@ -233,15 +233,10 @@ def test_compressed_activations_on_two_ranks_equal_one_process(tmp_path):
 
     # No checkpointing: every block's saves are compressed in forward (a recomputation's are not).
     compress = ("checkpointing.strategy=none", "checkpointing.compress=8", "trainer.max_steps=4")
-    _launch(2, tmp_path / "fsdp", "fit", *compress)
-    single = build_trainer(make_config(*OVERRIDES, *compress))
-    (tmp_path / "one").mkdir()
-    single.fit(tmp_path / "one")
+    _two_ranks_and_one_process(tmp_path, *compress)
     probe = build_trainer(make_config(*OVERRIDES, *compress))
     probe.train_step(probe.example_batch())
     assert probe.compression.compressed_bytes > 0  # the runs compare compressed steps
-    one = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
-    _assert_close(one, torch.load(tmp_path / "fsdp" / "whole" / "model.pt", weights_only=True))
 
 
 # DynamicConv, small: 4 updates of a global minibatch of 800 tokens in token microbatches of 200 (2 per
@@ -260,20 +255,9 @@ DC_OVERRIDES = (
 # (norms, embeddings) are sharded and compared alike; a dense-only case is left out for time.
 @pytest.mark.parametrize(("density", "tokens"), [("0.3", "120")])
 def test_dynamicconv_on_two_ranks_equals_one_process(tmp_path, density, tokens):
-    from lowmem.trainer import build_trainer
-
     overrides = (f"sparsity.density={density}", "sparsity.rewire_freq_mult=100", "trainer.max_steps=4",
                  f"microbatch.size={tokens}")  # fmt: skip
-    _launch(2, tmp_path / "fsdp", "fit", *overrides, base=DC_OVERRIDES)
-    single = build_trainer(make_config(*DC_OVERRIDES, *overrides))
-    (tmp_path / "one").mkdir()
-    single.fit(tmp_path / "one")
-    one = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
-    _assert_close(one, torch.load(tmp_path / "fsdp" / "whole" / "model.pt", weights_only=True))
-    if single.sparsity is not None:
-        ranks = [torch.load(tmp_path / "fsdp" / f"rank{r}.pt", weights_only=True)["masks"] for r in range(2)]
-        for name, mask in single.sparsity.masks.items():
-            assert torch.equal(mask, ranks[0][name]) and torch.equal(mask, ranks[1][name]), name
+    _two_ranks_and_one_process(tmp_path, *overrides, base=DC_OVERRIDES)
 
 
 def _losses(run_dir: Path) -> list[float]:

@@ -267,7 +267,7 @@ def conv_backward(
     one kernel call computes every gradient, as autograd's own backward does, and the dense weight
     and its gradient are alive together (at most twice that size): the second call costs more time
     than those bytes are worth (its operands converted again under ``precision.cpu_compute=fp32``,
-    its kernel set up again; WRN-28-2 in Table 3's rows 4 and 7: steps 3-8% faster on a CPU)."""
+    its kernel set up again: docs/techniques.md gives the measured difference)."""
     args = (conv.stride, conv.padding, conv.dilation, False, [0] * len(conv.stride), conv.groups)
     x = _dtype_for(grad_output, x)
     need_x, need_weight, need_bias = wanted
