@@ -12,12 +12,15 @@ sharded, and in what order (the order of ``shard_model``):
    model / named by ``checkpointing.blocks``): one unit each. Checkpointing is applied before, as
    torchtitan does: a checkpointed block recomputed in backward is gathered again by FSDP2's own
    hooks, and its gradients reduce-scattered from them (``lowmem.techniques.checkpointing``);
-3. the root, holding the rest: the stem, the head and compact sparse values. Compact values of all
-   layers are one flat parameter (``CompactWeights.share_values``) whose size never changes, so a
-   rewiring (which moves entries between layers) never changes what FSDP2 shards: every rank
-   gathers the values, takes the one-process decisions from the same seeded generator, and keeps
-   its rows of the new layout. Positions (int16 columns, row starts) are not sharded: every rank
-   holds them, identical.
+3. the root, holding the rest: the stem and the head.
+
+Compact sparse values are not FSDP2's: the values of all layers are one flat parameter
+(``CompactWeights.share_values``) whose size never changes, sharded by lowmem as FSDP2 shards, and
+each unit gathers its layers' range of it for its forward (``lowmem.techniques.compact_shards``):
+FSDP2 would gather it whole, for the root. A rewiring (which moves entries between layers, so
+between units) gathers every value, takes the one-process decisions from the same seeded generator
+on every rank, and each rank keeps its rows of the new layout. Positions (int16 columns, row
+starts) are not sharded: every rank holds them, identical.
 
 Gradients: FSDP2 reduce-scatters (averages) them across ranks; the trainer weights each rank's loss
 as for DDP, so the result is the global minibatch's mean. The optimizers update each rank's local
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lowmem.profiler.peak import PeakMeasurement
@@ -46,6 +50,7 @@ from lowmem.profiler.state import _state_entry_bytes, csr_index_bytes
 from lowmem.residual import residual_stacks
 from lowmem.techniques.chains import find_block_chains, installed_runners
 from lowmem.techniques.compact import SHARED_VALUES, compact_modules, compact_state_dict_keys, dense_weight
+from lowmem.techniques.compact_shards import UnitGathering
 from lowmem.techniques.precision import NORMALIZATION_TYPES
 from lowmem.techniques.shards import full, local, local_rows, row_range, write_full
 from lowmem.techniques.shards import is_sharded as is_sharded_tensor
@@ -101,9 +106,13 @@ def shard_model(
     16 bits, the mean of N ranks' gradients would be rounded to 16 bits, which one process's FP32
     gradients are not). Normalization layers keep their FP32 weights, as under autocast."""
     join_single_process_group(device)
-    if sparsity is not None and sparsity.compact is not None:
-        sparsity.compact.share_values(model)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     reduce = REDUCE_DTYPES.get(reduce_dtype) if reduce_dtype else None
+    units = sharded_blocks(model, blocks)
+    compact = sparsity.compact if sparsity is not None else None
+    if compact is not None:  # sharded and gathered per unit by lowmem, not FSDP2 (compact_shards)
+        compact.share_values(model)
+        compact.gathering = UnitGathering(compact, model, SHARED_VALUES, units, mesh, reduce)
     if autocast_dtype is not None:
         policy = MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=reduce or torch.float32)
     else:
@@ -115,9 +124,9 @@ def shard_model(
     #    weights without calling the module, past FSDP2's hooks. Under amp, the normalization
     #    layers' FP32 weights, which FSDP2 would otherwise gather in the autocast dtype.
     replicated = replicated_parameters(model, param_dtype, autocast_dtype)
-    options = {"mp_policy": policy, "ignored_params": set(replicated)}
+    ignored = {*replicated, *([getattr(model, SHARED_VALUES)] if compact is not None else [])}
+    options = {"mesh": mesh, "mp_policy": policy, "ignored_params": ignored}
     object.__setattr__(model, _REPLICATED, replicated)
-    units = sharded_blocks(model, blocks)
     # 2. The blocks, each its own unit; 3. the root (FSDP2 keeps its weights gathered from forward
     #    to backward, which begins with them).
     for block in units:
@@ -128,7 +137,7 @@ def shard_model(
         dist.get_world_size(),
         len(units),
         len(replicated),
-        "; compact sparse values as one sharded parameter" if sparsity is not None and sparsity.compact else "",
+        "; compact sparse values sharded, gathered per unit" if compact is not None else "",
     )
     return model
 
@@ -474,8 +483,15 @@ def account_shards(
     units = [module for module in model.modules() if isinstance(module, FSDPModule)]
     replicated = {id(p) for p in getattr(model, _REPLICATED, [])}
     owned = {id(p) for unit in units if unit is not model for p in unit.parameters()}
+    # Compact values: each unit's range, gathered by lowmem in their own dtype (autocast casts them
+    # per op, as in one process), not by FSDP2.
+    gathering = sparsity.compact.gathering if sparsity is not None and sparsity.compact is not None else None
+    values = {} if gathering is None else gathering.unit_bytes()
+    if gathering is not None:
+        replicated.add(id(gathering.values))
     sizes = [
-        sum(
+        values.get(unit, 0)
+        + sum(
             p.numel() * (gathered_dtype or p.dtype).itemsize
             for p in unit.parameters()
             if id(p) not in replicated and (unit is not model or id(p) not in owned)
@@ -500,11 +516,11 @@ def planned_gathered_bytes(
     autocast_dtype: torch.dtype | None = None,
 ) -> int:
     """What ``account_shards`` calls ``gathered_bytes`` for ``model`` not sharded yet (the planner's
-    what-if): the weights outside the blocks ``shard_model`` would make units, compact sparse values
-    included (one root parameter), plus the largest block's, in the dtype FSDP2 gathers them in
-    (``autocast_dtype`` under amp), less those every rank holds whole; ``sparse``: name -> (dense
-    shape, active count) of the sparse weights; ``param_dtype``, ``autocast_dtype``: as for
-    ``shard_model``."""
+    what-if): the weights outside the blocks ``shard_model`` would make units plus the largest
+    block's, in the dtype FSDP2 gathers them in (``autocast_dtype`` under amp; compact sparse values,
+    gathered per unit by lowmem, in their own), less those every rank holds whole; ``sparse``: name
+    -> (dense shape, active count) of the sparse weights (their active entries now: a rewiring moves
+    entries between units); ``param_dtype``, ``autocast_dtype``: as for ``shard_model``."""
     sparse = sparse or {}
     blocks = sharded_blocks(model)
     block_of = {id(p): index for index, block in enumerate(blocks) for p in block.parameters()}
@@ -513,8 +529,11 @@ def planned_gathered_bytes(
     for name, param in model.named_parameters():
         if id(param) in replicated:
             continue
-        size = (sparse[name][1] if name in sparse else param.numel()) * (autocast_dtype or param.dtype).itemsize
-        if name in sparse or id(param) not in block_of:
+        if name in sparse:
+            size = sparse[name][1] * param.dtype.itemsize
+        else:
+            size = param.numel() * (autocast_dtype or param.dtype).itemsize
+        if id(param) not in block_of:
             root += size
         else:
             per_block[block_of[id(param)]] += size

@@ -368,6 +368,43 @@ def test_one_process_with_fsdp_is_a_shard_of_one_and_profiles_whole(tmp_path):
     assert sharded["gathered_bytes"] > 0 and whole["gathered_bytes"] == 0
 
 
+def test_sharded_compact_values_are_gathered_one_unit_at_a_time():
+    """Compact values under fsdp are gathered with their unit, not whole: when a block's forward
+    starts (its recomputation's too), the values bound are its own layers' and the root's, and none
+    is bound once the step is over. (Whole, they were held on every rank from the forward to the
+    end of backward: DynamicConv at 4 ranks measured more per rank than one process.)"""
+    from lowmem.sharding import sharded_blocks
+    from lowmem.techniques.compact import compact_modules
+    from lowmem.trainer import build_trainer
+
+    overrides = (*TINY_WRN, "trainer.device=cpu", "sparsity.density=0.3", "trainer.parallel=fsdp",
+                 "checkpointing.strategy=residual", "checkpointing.every=1")  # fmt: skip
+    try:
+        trainer = build_trainer(make_config(*overrides))
+        model = trainer.unwrapped_model
+
+        def bound() -> set[str]:
+            return {f"{prefix}.{attr}" for prefix, module, attr in compact_modules(model)
+                    if attr + "_values" in module.__dict__}  # fmt: skip
+
+        blocks = sharded_blocks(model)
+        block_of = {f"{prefix}.{attr}": index for prefix, module, attr in compact_modules(model)
+                    for index, block in enumerate(blocks) if any(m is module for m in block.modules())}  # fmt: skip
+        root = {f"{prefix}.{attr}" for prefix, _, attr in compact_modules(model)} - block_of.keys()
+        seen: list[tuple[int, set[str]]] = []
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda module, args, index=index: seen.append((index, bound())))
+        trainer.train_step(trainer.example_batch())
+        assert len(block_of) >= 3 and bound() == set()
+        # Each block's forward runs twice (checkpointed, then recomputed), each time with its values.
+        assert sorted(index for index, _ in seen) == sorted(2 * list(range(len(blocks))))
+        for index, names in seen:
+            assert names == root | {name for name, block in block_of.items() if block == index}, index
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_amp_gathers_weights_in_the_autocast_dtype_and_the_accounting_says_so():
     from lowmem.profile import profile_config
     from lowmem.sharding import planned_gathered_bytes

@@ -37,11 +37,11 @@ parameter and one set of positions, held by every module that used the dense wei
 
 **Sharded training** (``trainer.parallel=fsdp``; ``CompactWeights.share_values``): the values of all
 layers become one parameter of the model, ``lowmem_compact_values`` (the flat buffer itself, whose
-size never changes), which FSDP2 shards like any parameter; the layers' ``<name>_values`` are then
-views of it that the model's forward binds once FSDP2 has gathered it (and backward accumulates
-their gradients into the gathered buffer's, which FSDP2 reduce-scatters). Positions stay whole on
-every rank. A rewiring gathers the values (``CompactWeights.gathered``), decides on every rank
-alike and each rank keeps its rows of the new layout.
+size never changes), sharded across the ranks; each unit's layers' ``<name>_values`` are views of
+their values gathered for the unit's forward, whose gradients are reduced back onto the ranks that
+hold them (``lowmem.techniques.compact_shards``). Positions stay whole on every rank. A rewiring
+gathers every value (``CompactWeights.gathered``), decides on every rank alike and each rank keeps
+its rows of the new layout.
 
 The state-dict keys change (``conv.weight`` becomes ``conv.weight_values`` + ``conv.weight_columns``
 + ``conv.weight_row_starts``); ``dense_state_dict`` gives the plain form. A state dict of the former
@@ -535,6 +535,7 @@ class CompactWeights:
         self.row_starts = torch.empty(rows, dtype=torch.int64, device=device)
         self.counts = [0] * len(self.names)
         self.shared: nn.Module | None = None  # sharded training: the model holding every value (SHARED_VALUES)
+        self.gathering = None  # sharded training: what gathers each unit's values (compact_shards.UnitGathering)
         with torch.no_grad():
             layers = {name: (positions[name], dense[name].flatten()[positions[name]]) for name in self.names}
             for name, (module, attr) in self._owners.items():
@@ -595,10 +596,10 @@ class CompactWeights:
     # ------------------------------------------------------------------------- sharded training
     def share_values(self, model: nn.Module) -> None:
         """Make the values of every layer one parameter of ``model``, ``SHARED_VALUES`` (a parameter,
-        not a submodule, which a container model would run), for FSDP2 to shard: the flat buffer,
-        whose size a rewiring never changes. The layers' ``<name>_values`` stop being parameters;
-        ``model``'s forward binds them as views of the parameter FSDP2 has gathered (FSDP2's hook,
-        which gathers, runs before any other)."""
+        not a submodule, which a container model would run), to be sharded: the flat buffer, whose
+        size a rewiring never changes. The layers' ``<name>_values`` stop being parameters; they are
+        bound, as views of gathered values, by the units' hooks that
+        ``lowmem.techniques.compact_shards.UnitGathering`` installs, or inside ``gathered()``."""
         self._follow_the_model()
         requires_grad = any(self.values_of(name).requires_grad for name in self.names)
         for name in self.names:
@@ -606,7 +607,6 @@ class CompactWeights:
                 del place._parameters[attr + _VALUES]
         model.register_parameter(SHARED_VALUES, nn.Parameter(self.values, requires_grad=requires_grad))
         self.shared, self.values = model, None
-        model.register_forward_pre_hook(lambda module, args: self._bind(self.shared_values))
 
     @property
     def shared_values(self) -> nn.Parameter:
