@@ -123,6 +123,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def rank0s(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (a picklable object; ``value`` itself in one process)."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def gather_objects(value: Any) -> list[Any]:
     """``value`` from every rank, in rank order (picklable objects; ``[value]`` in one process)."""
     if world_size() == 1:

@@ -150,7 +150,9 @@ class Trainer:
         tune_convolutions(self.unwrapped_model, device, cfg.trainer.workspaces)  # CUDA: cuDNN timing
         # Where 16-bit convolutions and matrix products are computed on a CPU, decided once (auto:
         # probed); a resumed run takes its checkpoint's choices, so that it computes the same bits.
-        self.cpu_compute = cpu_compute_choices(policy.cpu_compute, policy.sixteen_bit, device)
+        # Ranks take rank 0's: each probes its own CPU, and where native and FP32 kernels are about as
+        # fast (BF16 on AVX-512) a loaded core can tip one rank's probe the other way.
+        self.cpu_compute = distributed.rank0s(cpu_compute_choices(policy.cpu_compute, policy.sixteen_bit, device))
         self.state = TrainState()
 
     @property

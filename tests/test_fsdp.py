@@ -48,8 +48,17 @@ def _rank_main(rank: int, world: int, port: int, run_dir: str, overrides: tuple[
     from lowmem.trainer import build_trainer
 
     distributed.init_from_environment(torch.device("cpu"))
+    if case == "cpu_compute":  # the ranks' probes decide differently
+        from lowmem.techniques import cpu_compute
+
+        choice = "native" if rank else "fp32"
+        cpu_compute.probe_choices = lambda dtype: tuple((kind, choice) for kind in cpu_compute.KINDS)
     trainer = build_trainer(make_config(*overrides, "trainer.parallel=fsdp"))
     out = Path(run_dir)
+    if case == "cpu_compute":
+        torch.save(trainer.cpu_compute, out / f"rank{rank}.pt")
+        dist.destroy_process_group()
+        return
     if case == "overflow":
         if trainer.policy.name == "amp":  # amp loss-scales on CUDA only: torch's GradScaler, as there
             trainer.policy = replace(trainer.policy, uses_loss_scaling=True)
@@ -265,13 +274,25 @@ def _losses(run_dir: Path) -> list[float]:
     return [line["loss"] for line in lines if "loss" in line and "skipped" in line]
 
 
+def test_ranks_compute_16_bits_as_rank_0_chose(tmp_path):
+    """``precision.cpu_compute=auto`` probes each process's CPU, and where native BF16 kernels and
+    FP32 arithmetic are about as fast a loaded core can tip one rank's probe: every rank takes rank
+    0's choice, so that all compute the same bits."""
+    _launch(2, tmp_path, "cpu_compute", "precision=bf16")
+    chosen = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    assert chosen[0] == chosen[1] == {"convolution": "fp32", "convolution_backward": "fp32", "matmul": "fp32"}
+
+
 def test_amp_on_two_ranks_learns_and_stays_within_a_bf16_rounding_of_one_process(tmp_path):
     """FSDP2 gathers the weights in BF16 (what autocast casts them to) and reduce-scatters each rank's
     BF16 gradients in FP32, where one process's BF16 backward sums the whole minibatch: the runs differ
     by the rounding of gradients to BF16, at most 2**-8 of each tensor's change (measured: 3.8e-4 of it)."""
     from lowmem.trainer import build_trainer
 
-    amp = ("precision=amp", "trainer.max_steps=4", "trainer.log_every=1")
+    # One arithmetic in every process: under cpu_compute=auto the one-process run probes apart from the
+    # ranks, and where native BF16 and FP32 are about as fast load tips it (native convolutions
+    # measured 10x the bound).
+    amp = ("precision=amp", "precision.cpu_compute=fp32", "trainer.max_steps=4", "trainer.log_every=1")
     _launch(2, tmp_path / "fsdp", "fit", *amp)
     single = build_trainer(make_config(*OVERRIDES, *amp))
     initial = {key: value.clone() for key, value in single.dense_state().items()}
