@@ -7,9 +7,8 @@ import socket
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
-from tests.helpers import TINY_WRN, make_config
+from tests.helpers import TINY_WRN, make_config, start_ranks
 
 # Sparsity, true microbatching (10 examples per microbatch on each rank: the same BatchNorm groups
 # as one process with microbatches of 10) and checkpointing, in FP64 so that only summation order
@@ -62,12 +61,7 @@ def _rank_main(rank: int, world: int, port: int, run_dir: str, overrides: tuple[
 
 def _launch(world: int, run_dir: Path, *overrides: str) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(
-        _rank_main,
-        args=(world, _free_port(), str(run_dir), (*OVERRIDES, *overrides)),
-        nprocs=world,
-        start_method="spawn",
-    )
+    start_ranks(_rank_main, (world, _free_port(), str(run_dir), (*OVERRIDES, *overrides)), world)
 
 
 def _single(run_dir: Path, *overrides: str) -> dict[str, torch.Tensor]:

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.helpers import SMALL_DC, TINY_WRN, make_config
+from tests.helpers import SMALL_DC, TINY_WRN, make_config, start_ranks
 from tests.test_distributed import _free_port
 
 # Compact DSR rewired at steps 1 and 2 (trainer.epochs=1 scales the schedule to the run's 4 steps:
@@ -47,6 +46,13 @@ def _rank_main(rank: int, world: int, port: int, run_dir: str, overrides: tuple[
     from lowmem.techniques.shards import full, local
     from lowmem.trainer import build_trainer
 
+    out = Path(run_dir)
+    if case == "run":  # what `python -m lowmem.train ... trainer.parallel=fsdp` runs on each rank under torchrun
+        from lowmem.train import run
+
+        run(make_config(*overrides, "trainer.parallel=fsdp"), out)
+        dist.destroy_process_group()
+        return
     distributed.init_from_environment(torch.device("cpu"))
     if case == "cpu_compute":  # the ranks' probes decide differently
         from lowmem.techniques import cpu_compute
@@ -54,7 +60,6 @@ def _rank_main(rank: int, world: int, port: int, run_dir: str, overrides: tuple[
         choice = "native" if rank else "fp32"
         cpu_compute.probe_choices = lambda dtype: tuple((kind, choice) for kind in cpu_compute.KINDS)
     trainer = build_trainer(make_config(*overrides, "trainer.parallel=fsdp"))
-    out = Path(run_dir)
     if case == "cpu_compute":
         torch.save(trainer.cpu_compute, out / f"rank{rank}.pt")
         dist.destroy_process_group()
@@ -109,13 +114,15 @@ def _rank_main(rank: int, world: int, port: int, run_dir: str, overrides: tuple[
         trainer.fit(out / target)
         _save_state_values(trainer, out / f"{target}.end.pt", rank)
     else:
-        # Two steps (a checkpoint there, in `half`), then on to four (model.pt in `whole`): built for
-        # four steps, so that the rewiring schedule (scaled to the run's length) is the 4-step run's.
+        # Two steps (a checkpoint there, in `half`), then (case "fit") on to four (model.pt in `whole`):
+        # built for four steps, so that the rewiring schedule (scaled to the run's length) is the 4-step
+        # run's. Case "half" stops at the checkpoint (the tests that read only its state).
         trainer.config.trainer.max_steps = 2
         trainer.fit(out / "half")
         _save_state_values(trainer, out / "half.pt", rank)
-        trainer.config.trainer.max_steps = 4
-        trainer.fit(out / "whole")
+        if case == "fit":
+            trainer.config.trainer.max_steps = 4
+            trainer.fit(out / "whole")
         torch.save({"masks": {} if trainer.sparsity is None else trainer.sparsity.masks}, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -146,12 +153,7 @@ def _save_state_values(trainer, path: Path, rank: int) -> None:
 def _launch(world: int, run_dir: Path, case: str, *overrides: str, base: tuple[str, ...] = OVERRIDES) -> None:
     for sub in ("half", "whole"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
-    mp.start_processes(
-        _rank_main,
-        args=(world, _free_port(), str(run_dir), (*base, *overrides), case),
-        nprocs=world,
-        start_method="spawn",
-    )
+    start_ranks(_rank_main, (world, _free_port(), str(run_dir), (*base, *overrides), case), world)
 
 
 def _assert_close(a: dict, b: dict) -> None:
@@ -218,12 +220,12 @@ def test_masked_rewiring_resets_sharded_8bit_adam_state_at_inactive_positions(tm
 
     overrides = ("sparsity.storage=masked", "precision=fp16", "optim.name=adam", "optim.lr=0.001",
                  "optim.state_bits=8", "trainer.max_steps=4")  # fmt: skip
-    _launch(2, tmp_path, "fit", *overrides)  # state after the second (last) rewiring, step 2: half.pt
+    _launch(2, tmp_path, "half", *overrides)  # state after the second (last) rewiring, step 2: half.pt
     single = build_trainer(make_config(*OVERRIDES, *overrides))  # the optimizer's order of parameters
     names = {id(p): n for n, p in single.unwrapped_model.named_parameters()}
     order = [names[id(p)] for group in single.optimizer.param_groups for p in group["params"]]
     state = torch.load(tmp_path / "half.pt", weights_only=True)
-    masks = torch.load(tmp_path / "rank0.pt", weights_only=True)["masks"]  # as after step 2: no rewiring since
+    masks = torch.load(tmp_path / "rank0.pt", weights_only=True)["masks"]  # after step 2, with half.pt
     checked = 0
     for key, value in state.items():
         name = order[int(key.split(".")[0])]
@@ -343,7 +345,7 @@ def test_per_rank_optimizer_state_resumes_exactly_on_another_number_of_ranks(tmp
     written on 2 ranks, read back on 4, and that on 1 (the issue's 2 -> 4 -> 1), every value exactly as
     saved."""
     overrides = (*state, "optim.name=adam", "optim.lr=0.001", "trainer.max_steps=4")
-    _launch(2, tmp_path, "fit", *overrides)  # its checkpoint at step 2 in half/, the state then in half.pt
+    _launch(2, tmp_path, "half", *overrides)  # its checkpoint at step 2 in half/, the state then in half.pt
     for world, source, target in ((4, "half", "four"), (1, "four", "one")):
         (tmp_path / target).mkdir()
         _launch(world, tmp_path, f"resume:{source}:{target}", *overrides)  # resumed, then on to step 4
@@ -500,8 +502,9 @@ def test_sigterm_under_torchrun_checkpoints_the_shards_and_the_resumed_run_is_bi
     import signal
     import time
 
-    longer = (*OVERRIDES, "data.train_size=400", "trainer.epochs=1", "trainer.progress=none")  # 20 steps
-    _torchrun(*longer, f"hydra.run.dir={tmp_path / 'whole'}")
+    longer = (*OVERRIDES, "data.train_size=200", "trainer.epochs=1", "trainer.progress=none")  # 10 steps
+    # The uninterrupted run: each rank runs what torchrun's runs (lowmem.train's `run`, one thread).
+    _launch(2, tmp_path / "whole", "run", "trainer.log_every=1", base=longer)
     stopped = tmp_path / "stopped"
     process = _torchrun(*longer, f"hydra.run.dir={stopped}", wait=False)
     metrics, deadline = stopped / "metrics.jsonl", time.monotonic() + 300
@@ -512,7 +515,7 @@ def test_sigterm_under_torchrun_checkpoints_the_shards_and_the_resumed_run_is_bi
     assert process.returncode != 0 and "resume with: " in out + err, err[-3000:]
     checkpoint = torch.load(stopped / "checkpoint.pt", weights_only=False)
     step = checkpoint["trainer"]["step"]
-    assert 0 < step < 20 and not (stopped / "model.pt").exists()
+    assert 0 < step < 10 and not (stopped / "model.pt").exists()
     shards = [d for d in stopped.glob("checkpoint.shards.*") if d.is_dir()]
     assert [int(d.name.rsplit(".", 1)[1]) for d in shards] == [step]  # the ranks' rows, named by the step
     _torchrun(*longer, f"hydra.run.dir={stopped}", f"trainer.resume={stopped}")

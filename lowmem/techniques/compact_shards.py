@@ -91,9 +91,9 @@ class UnitGathering:
         """The sharded flat parameter (a ``DTensor``)."""
         return getattr(self.model, self.name)
 
-    def unit_bytes(self, dtype: torch.dtype | None = None) -> dict[nn.Module, int]:
-        """Bytes of values each unit gathers at once now (in ``dtype``; None: the values' own)."""
-        size = (dtype or self.values.dtype).itemsize
+    def unit_bytes(self) -> dict[nn.Module, int]:
+        """Bytes of values each unit gathers at once, at the layers' counts now."""
+        size = self.values.dtype.itemsize
         starts = self._starts()
         return {
             self.units[index]: sum(starts[stop] - starts[first] for first, stop in runs) * size
