@@ -603,7 +603,7 @@ class CompactWeights:
         self._follow_the_model()
         requires_grad = any(self.values_of(name).requires_grad for name in self.names)
         for name in self.names:
-            for place, attr in self._places(name):
+            for place, attr in self.places(name):
                 del place._parameters[attr + _VALUES]
         model.register_parameter(SHARED_VALUES, nn.Parameter(self.values, requires_grad=requires_grad))
         self.shared, self.values = model, None
@@ -622,31 +622,38 @@ class CompactWeights:
             yield
             return
         self.values = full(self.shared_values.detach()).clone()
-        self._bind(self.values)
+        self.bind(self.values)
         try:
             yield
             write_full(self.shared_values, self.values)
         finally:
-            for name in self.names:
-                for place, attr in self._places(name):
-                    place.__dict__.pop(attr + _VALUES, None)
+            self.unbind()
             self.values = None
 
-    def _places(self, name: str) -> list[tuple[nn.Module, str]]:
+    def places(self, name: str) -> list[tuple[nn.Module, str]]:
         """(module, attribute) of every place holding weight ``name`` (tied places included)."""
         return [self._owners[name]] + [(module, attr) for _, module, attr in self._tied[name]]
 
-    def _bind(self, flat: torch.Tensor) -> None:
-        """Shared values: each layer's ``<name>_values`` becomes its view of ``flat`` (every value).
+    def bind(self, flat: torch.Tensor, first: int = 0, stop: int | None = None) -> None:
+        """Shared values: the layers ``names[first:stop]`` (default: every layer) get their
+        ``<name>_values`` as views of ``flat``, which holds their values, in order, from its start
+        (and may hold more after them: unused capacity).
 
         The views come from one ``split``, not a slice each: in backward a slice's node makes a
         gradient of every value, zeros but its own, for each layer (with the gathered values of
         DynamicConv, 38.6 MB per layer, several at once); the split's node joins the layers'
         gradients once, when the last has come."""
-        views = flat.split([*self.counts, flat.numel() - sum(self.counts)])  # the last: unused capacity
-        for name, view in zip(self.names, views, strict=False):
-            for place, attr in self._places(name):
+        names, counts = self.names[first:stop], self.counts[first:stop]
+        views = flat.split([*counts, flat.numel() - sum(counts)])  # the last: what follows them
+        for name, view in zip(names, views, strict=False):
+            for place, attr in self.places(name):
                 place.__dict__[attr + _VALUES] = view
+
+    def unbind(self, first: int = 0, stop: int | None = None) -> None:
+        """Shared values: drop ``bind``'s views of the layers ``names[first:stop]``."""
+        for name in self.names[first:stop]:
+            for place, attr in self.places(name):
+                place.__dict__.pop(attr + _VALUES, None)
 
     def _store(self, layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         total = sum(positions.numel() for positions, _ in layers.values())
@@ -673,7 +680,7 @@ class CompactWeights:
             start += count
             row += rows
         if self.shared is not None:
-            self._bind(self.values)
+            self.bind(self.values)
 
     def _follow_the_model(self) -> None:
         """If the model was cast or moved since (``model.to(...)`` gives every parameter and buffer

@@ -37,7 +37,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lowmem.techniques.compact import _VALUES as VALUES_SUFFIX
 from lowmem.techniques.shards import row_range
 
 if TYPE_CHECKING:
@@ -72,7 +71,7 @@ class UnitGathering:
         unit_of = {id(module): index for index, unit in enumerate(units) for module in unit.modules()}
         owners = []
         for weight in compact.names:
-            found = {unit_of.get(id(module), -1) for module, _ in compact._places(weight)}
+            found = {unit_of.get(id(module), -1) for module, _ in compact.places(weight)}
             owners.append(found.pop() if len(found) == 1 else -1)
         # Runs of consecutive weights of one unit: [first, stop) in compact.names' order.
         self.runs: dict[int, list[tuple[int, int]]] = {}
@@ -120,15 +119,13 @@ class UnitGathering:
             gathered = nn.Parameter(gathered, requires_grad=grad)
             if grad:
                 gathered.register_post_accumulate_grad_hook(functools.partial(self._reduce, low, high))
-            self._bind(first, stop, gathered)
+            self.compact.bind(gathered, first, stop)
 
     def _release(self, runs: list[tuple[int, int]], module: nn.Module, args: object, output: object) -> None:
         if self.compact.values is not None:
             return
         for first, stop in runs:
-            for weight in self.compact.names[first:stop]:
-                for place, attr in self.compact._places(weight):
-                    place.__dict__.pop(attr + VALUES_SUFFIX, None)
+            self.compact.unbind(first, stop)
 
     @torch.no_grad()
     def _reduce(self, low: int, high: int, gathered: torch.Tensor) -> None:
@@ -149,12 +146,6 @@ class UnitGathering:
                 mine.add_((part / self.world).to(mine.dtype))
 
     # ------------------------------------------------------------------------------- helpers
-    def _bind(self, first: int, stop: int, gathered: torch.Tensor) -> None:
-        views = gathered.split(self.compact.counts[first:stop])
-        for weight, view in zip(self.compact.names[first:stop], views, strict=True):
-            for place, attr in self.compact._places(weight):
-                place.__dict__[attr + VALUES_SUFFIX] = view
-
     def _starts(self) -> list[int]:
         """Where each weight's values start in the flat buffer now, and where the last ends."""
         return [0, *itertools.accumulate(self.compact.counts)]
