@@ -14,13 +14,14 @@ sharded, and in what order (the order of ``shard_model``):
    hooks, and its gradients reduce-scattered from them (``lowmem.techniques.checkpointing``);
 3. the root, holding the rest: the stem and the head.
 
-Compact sparse values are not FSDP2's: the values of all layers are one flat parameter
-(``CompactWeights.share_values``) whose size never changes, sharded by lowmem as FSDP2 shards, and
-each unit gathers its layers' range of it for its forward (``lowmem.techniques.compact_shards``):
-FSDP2 would gather it whole, for the root. A rewiring (which moves entries between layers, so
-between units) gathers every value, takes the one-process decisions from the same seeded generator
-on every rank, and each rank keeps its rows of the new layout. Positions (int16 columns, row
-starts) are not sharded: every rank holds them, identical.
+Compact sparse weights are not FSDP2's: the values of all layers are one flat parameter and their
+int16 columns one flat buffer (``CompactWeights.share_values``), whose sizes never change, sharded
+by lowmem as FSDP2 shards; each block gathers its layers' range of both for its forward, and a
+layer outside the blocks for its own module's forward (``lowmem.techniques.compact_shards``):
+FSDP2 would gather them whole, for the root. A rewiring (which moves entries between layers, so
+between units) gathers every value and column, takes the one-process decisions from the same
+seeded generator on every rank, and each rank keeps its rows of the new layout. The row starts (8
+bytes per 2^15 dense entries) are not sharded: every rank holds them, identical.
 
 Gradients: FSDP2 reduce-scatters (averages) them across ranks; the trainer weights each rank's loss
 as for DDP, so the result is the global minibatch's mean. The optimizers update each rank's local
@@ -46,10 +47,17 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lowmem.profiler.peak import PeakMeasurement
 from lowmem.profiler.report import MemoryReport
-from lowmem.profiler.state import _state_entry_bytes, csr_index_bytes
+from lowmem.profiler.state import COMPACT_COLUMN_BYTES, _state_entry_bytes, csr_index_bytes
 from lowmem.residual import residual_stacks
 from lowmem.techniques.chains import find_block_chains, installed_runners
-from lowmem.techniques.compact import SHARED_VALUES, compact_modules, compact_state_dict_keys, dense_weight
+from lowmem.techniques.compact import (
+    SHARED_COLUMNS,
+    SHARED_VALUES,
+    CompactWeights,
+    compact_modules,
+    compact_state_dict_keys,
+    dense_weight,
+)
 from lowmem.techniques.compact_shards import UnitGathering
 from lowmem.techniques.precision import NORMALIZATION_TYPES
 from lowmem.techniques.shards import full, local, local_rows, row_range, write_full
@@ -112,7 +120,7 @@ def shard_model(
     compact = sparsity.compact if sparsity is not None else None
     if compact is not None:  # sharded and gathered per unit by lowmem, not FSDP2 (compact_shards)
         compact.share_values(model)
-        compact.gathering = UnitGathering(compact, model, SHARED_VALUES, units, mesh, reduce)
+        compact.gathering = UnitGathering(compact, model, units, mesh, reduce)
     if autocast_dtype is not None:
         policy = MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=reduce or torch.float32)
     else:
@@ -195,13 +203,11 @@ def full_state_dict(model: nn.Module, sparsity: DynamicSparsity | None) -> dict[
         with compact_state_dict_keys():
             items = model.state_dict().items()
         for key, value in items:
-            if key == SHARED_VALUES:
+            if key in (SHARED_VALUES, SHARED_COLUMNS):
                 continue
-            weight = key.removesuffix("_columns")
+            weight = key.removesuffix("_row_starts")
             if weight in dense:  # a compact weight, dense, in place of its positions
                 state[weight] = dense[weight].detach().cpu()
-                continue
-            if key.endswith("_row_starts") and key.removesuffix("_row_starts") in dense:
                 continue
             state[key] = full(value).detach().to("cpu", copy=True)
     return state
@@ -224,16 +230,29 @@ def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) 
     dcp.save({"model": _model_state(model), "optimizer": _optimizer_state(optimizer)}, checkpoint_id=str(path))
 
 
-def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+def load_shards(
+    model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, compact: CompactWeights | None = None
+) -> None:
     """Load ``save_shards``'s directory ``path`` into the sharded ``model`` and ``optimizer`` in place,
     each rank reading its rows (of any number of ranks' checkpoint). Optimizer state kept per rank
     (8/4-bit codes and scales, FP16 Adam's moment scales) saved by another number of ranks: each rank
     reads that of the saved pieces its rows overlap, and ``optimizer.reshard_state`` takes it over
-    exactly (codes and scales as saved)."""
+    exactly (codes and scales as saved). ``compact``: the model's compact weights, whose positions a
+    checkpoint of before they were sharded holds per layer, whole."""
     state = {"model": _model_state(model), "optimizer": _optimizer_state(optimizer)}
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    overlapping = _saved_pieces(state["optimizer"]["state"], params, dcp.FileSystemReader(str(path)).read_metadata())
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    overlapping = _saved_pieces(state["optimizer"]["state"], params, metadata)
+    columns = None
+    if f"model.{SHARED_COLUMNS}" not in metadata.state_dict_metadata and SHARED_COLUMNS in state["model"]:
+        columns = state["model"].pop(SHARED_COLUMNS)
     dcp.load(state, checkpoint_id=str(path))
+    if columns is not None and compact is not None:  # each layer's columns, whole (git 6a8c9e4 and before)
+        sizes = {name: metadata.state_dict_metadata[f"model.{name}_columns"].size for name in compact.names}
+        layers = {"model": {f"{name}_columns": torch.empty(size, dtype=torch.int16) for name, size in sizes.items()}}
+        dcp.load(layers, checkpoint_id=str(path))
+        whole = compact.join_columns({name: layers["model"][f"{name}_columns"] for name in compact.names})
+        write_full(columns, whole.to(local(columns).device))
     for index, (start, pieces) in overlapping.items():
         entries = state["optimizer"]["state"][str(index)]
         pieces_state = [
@@ -357,11 +376,21 @@ def _restore(live: torch.Tensor, saved: Any, name: str) -> None:
 
 
 @torch.no_grad()
-def load_whole_model_state(model: nn.Module, state: dict[str, Any]) -> None:
+def load_whole_model_state(model: nn.Module, state: dict[str, Any], compact: CompactWeights | None = None) -> None:
     """Load a state dict of ``whole`` tensors into the sharded ``model``: each rank keeps its rows.
-    Raises KeyError naming keys the model and the state do not share."""
+    ``compact``: the model's compact weights, whose positions a state dict of one process (or of
+    before they were sharded) holds per layer. Raises KeyError naming keys the model and the state
+    do not share."""
     with compact_state_dict_keys():
         live = model.state_dict()
+    if compact is not None and SHARED_COLUMNS in live and SHARED_COLUMNS not in state:
+        state = dict(state)
+        layers = {name: state[name + "_columns"] for name in compact.names if name + "_columns" in state}
+        if len(layers) == len(compact.names):
+            state[SHARED_COLUMNS] = compact.join_columns(layers)
+            for name in compact.names:
+                for key in compact.column_keys(name):
+                    state.pop(key, None)
     if live.keys() != state.keys():
         missing, unexpected = sorted(live.keys() - state.keys()), sorted(state.keys() - live.keys())
         raise KeyError(f"model state: missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -457,8 +486,8 @@ def account_shards(
     gathered_dtype: torch.dtype | None = None,
 ) -> dict[str, int]:
     """This rank's model, optimizer (gradients + state) and state bytes by the report's definition,
-    for its local rows of every sharded tensor (compact positions, which every rank holds whole, as
-    CSR index bytes), and ``gathered_bytes``: the weights FSDP2 gathers whole at once at most, the
+    for its local rows of every sharded tensor (compact positions as CSR index bytes, its share of
+    them), and ``gathered_bytes``: the weights FSDP2 gathers whole at once at most, the
     root's (held from forward through backward) plus the largest other unit's, in the dtype they are
     gathered in (``gathered_dtype``: ``precision=amp``'s autocast dtype; None: their own). The
     weights every rank holds whole (``replicated_parameters``) are not gathered."""
@@ -478,14 +507,21 @@ def account_shards(
             held = _state_entry_bytes(optimizer, param, entries, None, None)
             optimizer_bytes += entries * piece.element_size() + held
             state_bytes += held
+    gathering = sparsity.compact.gathering if sparsity is not None and sparsity.compact is not None else None
     if sparsity is not None and sparsity.compact is not None:
-        model_bytes += sum(csr_index_bytes(shape, count) for shape, count in sparsity.trained_parameters().values())
+        # Compact positions as CSR index bytes, each weight's share in this rank's piece of the
+        # sharded columns (their rows of the flat buffer; every rank holds the row starts whole).
+        low, high = (0, sparsity.compact.capacity) if gathering is None else gathering.local_range()
+        start = 0
+        for shape, count in sparsity.trained_parameters().values():
+            mine = max(0, min(start + count, high) - max(start, low))
+            model_bytes += csr_index_bytes(shape, count) * mine // max(count, 1)
+            start += count
     units = [module for module in model.modules() if isinstance(module, FSDPModule)]
     replicated = {id(p) for p in getattr(model, _REPLICATED, [])}
     owned = {id(p) for unit in units if unit is not model for p in unit.parameters()}
-    # Compact values: each unit's range, gathered by lowmem in their own dtype (autocast casts them
-    # per op, as in one process), not by FSDP2.
-    gathering = sparsity.compact.gathering if sparsity is not None and sparsity.compact is not None else None
+    # Compact values and columns: each unit's range, gathered by lowmem (values in their own dtype:
+    # autocast casts them per op, as in one process), not by FSDP2.
     values = {} if gathering is None else gathering.unit_bytes()
     if gathering is not None:
         replicated.add(id(gathering.values))
@@ -518,7 +554,7 @@ def planned_gathered_bytes(
     """What ``account_shards`` calls ``gathered_bytes`` for ``model`` not sharded yet (the planner's
     what-if): the weights outside the blocks ``shard_model`` would make units plus the largest
     block's, in the dtype FSDP2 gathers them in (``autocast_dtype`` under amp; compact sparse values,
-    gathered per unit by lowmem, in their own), less those every rank holds whole; ``sparse``: name
+    gathered per unit by lowmem with their columns, in their own), less those every rank holds whole; ``sparse``: name
     -> (dense shape, active count) of the sparse weights (their active entries now: a rewiring moves
     entries between units); ``param_dtype``, ``autocast_dtype``: as for ``shard_model``."""
     sparse = sparse or {}
@@ -529,8 +565,8 @@ def planned_gathered_bytes(
     for name, param in model.named_parameters():
         if id(param) in replicated:
             continue
-        if name in sparse:
-            size = sparse[name][1] * param.dtype.itemsize
+        if name in sparse:  # compact values and their int16 columns
+            size = sparse[name][1] * (param.dtype.itemsize + COMPACT_COLUMN_BYTES)
         else:
             size = param.numel() * (autocast_dtype or param.dtype).itemsize
         if id(param) not in block_of:

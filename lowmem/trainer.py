@@ -560,12 +560,13 @@ class Trainer:
         # already is kept: the checkpoint may view these very buffers (run.load_state_dict(run.state_dict())).
         if self.sparsity is not None:
             self.sparsity.load_state_dict(checkpoint["sparsity"])
+        compact = self.sparsity.compact if self.sparsity is not None else None
         if checkpoint.get("shards"):  # written by every rank apart: each reads its rows
             if not self.sharded or directory is None:
                 raise ConfigError("trainer.resume: a sharded checkpoint resumes with trainer.parallel=fsdp")
-            sharding.load_shards(self.unwrapped_model, self.optimizer, Path(directory) / checkpoint["shards"])
+            sharding.load_shards(self.unwrapped_model, self.optimizer, Path(directory) / checkpoint["shards"], compact)
         elif self.sharded:  # whole tensors: each rank keeps its rows
-            sharding.load_whole_model_state(self.unwrapped_model, checkpoint["model"])
+            sharding.load_whole_model_state(self.unwrapped_model, checkpoint["model"], compact)
             sharding.load_whole_optimizer_state(self.optimizer, checkpoint["optimizer"])
         else:
             with compact_state_dict_keys():

@@ -126,7 +126,8 @@ def account_state(
         their own (the planner's what-if: ``optim.state_bits`` without building an optimizer).
     shards: the bytes of the first of ``shards`` ranks that shard every tensor along dimension 0
         (``trainer.parallel=fsdp``: ``ceil(rows / shards)`` rows of a dense tensor, of sparse values
-        ``ceil(nonzeros / shards)``; the positions, which every rank holds, whole).
+        ``ceil(nonzeros / shards)``, and as large a share of their positions' CSR bytes: sharded
+        compact positions, or the rows of a masked weight that rank holds).
     """
     sparse = dict(sparse or {})
     params = dict(model.named_parameters())
@@ -140,7 +141,7 @@ def account_state(
         nonzeros = _first_shard(active, rows, shards) if shards > 1 else active
         model_bytes += nonzeros * param.element_size()
         if name in sparse:
-            model_bytes += csr_index_bytes(shape, active)
+            model_bytes += csr_index_bytes(shape, active) * nonzeros // max(active, 1)
         if not param.requires_grad:
             continue
         grad_size = param.grad.element_size() if param.grad is not None else param.element_size()

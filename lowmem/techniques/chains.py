@@ -73,6 +73,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lowmem.residual import residual_stacks
 from lowmem.techniques.block_checks import OutputFingerprint, argument_state, has_values
+from lowmem.techniques.compact_shards import gathered_for
 from lowmem.techniques.compression import compressed_saves, stored_saves
 from lowmem.techniques.norm_routing import route_norm_relu_conv, routed_forward
 from lowmem.techniques.recomputation import (
@@ -596,6 +597,9 @@ class _Runtime:
         self.calls: list[_BlockCall] = []
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # recursively: block inputs
         self.graphs: dict[int, tuple] = {}  # all_at_once: position -> (output edges, input leaf, context leaves)
+        # position -> (gathered values, reduce) of the block's compact sparse weights recomputed under
+        # grad (trainer.parallel=fsdp): their gradients are taken with the block's parameters'.
+        self.gathered: dict[int, list[tuple[torch.Tensor, Callable]]] = {}
 
     def recompute(self, call: _BlockCall, x: torch.Tensor, context: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run ``call`` again as it ran in forward (RNG, autocast; BatchNorm statistics to scratch);
@@ -604,10 +608,18 @@ class _Runtime:
         if isinstance(block, FSDPModule):
             # Sharded by FSDP2 (trainer.parallel=fsdp): the recomputation calls the block's own forward,
             # past FSDP2's hooks, so its weights are gathered here (a no-op when FSDP2's pre-backward
-            # hook has; its post-backward hook frees them again).
+            # hook has; its post-backward hook frees them again), and its compact sparse weights
+            # (lowmem's own hooks) around it.
             block.unshard()
-        with call.rng.replayed(), call.autocast.restore(), scratch_running_stats(block.modules()):
+        with (
+            gathered_for(block) as gathered,
+            call.rng.replayed(),
+            call.autocast.restore(),
+            scratch_running_stats(block.modules()),
+        ):
             tensors = call.output_tensors(call.run(x, context))
+        if gathered:
+            self.gathered[call.position] = gathered
         call.check_recomputation(tensors)
         return tensors
 
@@ -701,10 +713,16 @@ class _ChainedBlock(torch.autograd.Function):
         inputs = [leaf, *context_leaves, *params]
         wanted = [need_x, *needed[:num_context], *needed[num_context:]]
         chosen = [t for t, w in zip(inputs, wanted, strict=True) if w and t.requires_grad]
+        gathered = runtime.gathered.pop(position, [])  # sharded compact values: not parameters of the block
         grads = iter(())
-        if chosen and flowing:
+        if (chosen or gathered) and flowing:
             edges, grad_outputs = zip(*flowing, strict=True)
-            grads = iter(torch.autograd.grad(list(edges), chosen, list(grad_outputs), allow_unused=True))
+            taken = [*chosen, *(values for values, _ in gathered)]
+            all_grads = torch.autograd.grad(list(edges), taken, list(grad_outputs), allow_unused=True)
+            for (_, reduce), grad in zip(gathered, all_grads[len(chosen) :], strict=True):
+                if grad is not None:
+                    reduce(grad)
+            grads = iter(all_grads[: len(chosen)])
         results = [next(grads, None) if w and t.requires_grad else None for t, w in zip(inputs, wanted, strict=True)]
         if need_x and results[0] is None:  # a block that ignores its input
             results[0] = torch.zeros_like(leaf)

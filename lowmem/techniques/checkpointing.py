@@ -57,7 +57,7 @@ from lowmem.residual import (
     set_norm_relu_conv,
 )
 from lowmem.techniques.chains import find_block_chains, install_chains, installed_runners, route_blocks
-from lowmem.techniques.compact import conv2d_backward, dense_weight, trained_weight
+from lowmem.techniques.compact import conv2d_backward, dense_weight, index_of, trained_weight
 from lowmem.techniques.compression import compressed_saves, stored_saves
 from lowmem.techniques.recomputation import (
     BACKPROPS,
@@ -482,6 +482,7 @@ class _NormReluConvRecomputed(torch.autograd.Function):
         ctx.norm, ctx.conv = norm, conv
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.autocast = _AutocastState.capture(x.device)
+        ctx.index = index_of(conv)  # a compact weight's positions (sharded training binds them for the forward)
         if not output_read:  # a recomputation that needs this node, not its value: a broadcast zero
             ctx.save_for_backward(x, weight)
             return x.new_zeros((), dtype=_conv_dtype(x, weight)).expand(_conv_output_shape(conv, x))
@@ -519,7 +520,7 @@ class _NormReluConvRecomputed(torch.autograd.Function):
         # dtype): gradients are bitwise the plain ones. A compact sparse weight is built for the
         # input gradient and dropped before its own gradient is computed and gathered.
         grad_activation, grad_weight, grad_bias = conv2d_backward(
-            conv, grad_output, activation.detach(), trained, ctx.bias_shape, (need_x, need_weight, need_bias)
+            conv, grad_output, activation.detach(), trained, ctx.bias_shape, (need_x, need_weight, need_bias), ctx.index
         )
         needed = [ctx.needs_input_grad[3], *ctx.needs_input_grad[6:]]  # x, then the norm's parameters
         norm_grads: list[torch.Tensor | None] = [None] * len(needed)

@@ -36,12 +36,14 @@ modify in place — and a bare 2-D parameter that the model applies with ``linea
 parameter and one set of positions, held by every module that used the dense weight.
 
 **Sharded training** (``trainer.parallel=fsdp``; ``CompactWeights.share_values``): the values of all
-layers become one parameter of the model, ``lowmem_compact_values`` (the flat buffer itself, whose
-size never changes), sharded across the ranks; each unit's layers' ``<name>_values`` are views of
-their values gathered for the unit's forward, whose gradients are reduced back onto the ranks that
-hold them (``lowmem.techniques.compact_shards``). Positions stay whole on every rank. A rewiring
-gathers every value (``CompactWeights.gathered``), decides on every rank alike and each rank keeps
-its rows of the new layout.
+layers become one parameter of the model, ``lowmem_compact_values``, and their columns one buffer,
+``lowmem_compact_columns`` (the flat buffers themselves, whose sizes never change), sharded across
+the ranks; each unit's layers' ``<name>_values`` and ``<name>_columns`` are views of those gathered
+for the unit's forward, and the values' gradients are reduced back onto the ranks that hold them
+(``lowmem.techniques.compact_shards``). The row starts stay whole on every rank. A rewiring gathers
+every value and column (``CompactWeights.gathered``), decides on every rank alike and each rank
+keeps its rows of the new layout. A state dict holding each layer's columns (one process's) loads
+into a sharded model (``CompactWeights.join_columns``).
 
 The state-dict keys change (``conv.weight`` becomes ``conv.weight_values`` + ``conv.weight_columns``
 + ``conv.weight_row_starts``); ``dense_state_dict`` gives the plain form. A state dict of the former
@@ -69,6 +71,7 @@ _INDEX = (_COLUMNS, _ROW_STARTS)  # the buffers that say where the values are
 _FLAT_POSITIONS = "_positions"  # the former layout's int32 flat positions (converted on load)
 _SHAPES = "_compact_shapes"  # module attribute: {weight attribute: dense shape}
 SHARED_VALUES = "lowmem_compact_values"  # sharded training: the model's parameter holding every compact value
+SHARED_COLUMNS = "lowmem_compact_columns"  # sharded training: the model's buffer holding every compact column
 
 ROW = 1 << 15  # entries per row of a flattened weight: every column index fits in int16
 # Active entries whose flat positions are built at once: ``densify``'s int64 indices (1 MiB, and
@@ -219,6 +222,12 @@ def trained_weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
     return _values(module, name) if is_compact(module, name) else getattr(module, name)
 
 
+def index_of(module: nn.Module, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(columns, row_starts) of ``module``'s compact weight ``name`` as bound now, or None if it is
+    dense: what a backward that reads the weight again should keep from its forward."""
+    return _index(module, name) if is_compact(module, name) else None
+
+
 def _values(module: nn.Module, name: str) -> torch.Tensor:
     return getattr(module, name + _VALUES)
 
@@ -258,9 +267,12 @@ def conv_backward(
     trained: torch.Tensor,
     bias_shape: Sequence[int] | None,
     wanted: tuple[bool, bool, bool],
+    index: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of ``conv``'s input, trained weight (``trained_weight(conv)``) and bias from those of
-    its output, with the kernels autograd calls (under autocast in ``grad_output``'s dtype). A
+    its output, with the kernels autograd calls (under autocast in ``grad_output``'s dtype);
+    ``index``: a compact weight's (columns, row_starts) as its forward read them (default: the
+    module's now; under sharded training they are bound for the unit's forward only). A
     compact weight is built for the input gradient only and dropped before the weight gradient,
     computed from the input alone (as ``torch.nn.grad.conv2d_weight`` does), is gathered: one
     dense weight-sized tensor at a time, never two. Except for a small weight (``ONE_CALL_BYTES``):
@@ -276,7 +288,7 @@ def conv_backward(
         return torch.ops.aten.convolution_backward(grad_output, x, weight, bias_shape, *args, list(wanted))
     grad_x = grad_values = grad_bias = None
     shape = conv.compact_shape("weight")
-    index = _index(conv, "weight")
+    index = index if index is not None else _index(conv, "weight")
     if need_x and need_weight and math.prod(shape) * 4 <= ONE_CALL_BYTES:
         weight = _dtype_for(grad_output, densify(trained, *index, shape))
         grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
@@ -312,9 +324,11 @@ class _CompactConvolution(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, values, _, _ = ctx.saved_tensors
+        x, values, columns, row_starts = ctx.saved_tensors
         wanted = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4])
-        grad_x, grad_values, grad_bias = conv_backward(ctx.conv, grad_output, x, values, ctx.bias_shape, wanted)
+        grad_x, grad_values, grad_bias = conv_backward(
+            ctx.conv, grad_output, x, values, ctx.bias_shape, wanted, (columns, row_starts)
+        )
         return grad_x, grad_values, None, None, grad_bias, None
 
 
@@ -353,23 +367,35 @@ class _CompactLinear(torch.autograd.Function):
 
 
 class _CompactEmbedding(torch.autograd.Function):
+    """A lookup needs the values in forward only: backward gathers the dense gradient at the
+    positions. Under sharded training the unit gathering may give the embedding a way to gather its
+    columns again (``COLUMNS_AGAIN``), as FSDP2 gathers a weight again for backward; then nothing of
+    the gathered weight is held from the forward to the backward."""
+
     @staticmethod
     def forward(ctx, tokens, values, columns, row_starts, embedding):
-        ctx.embedding = embedding
-        ctx.save_for_backward(tokens, values, columns, row_starts)
+        ctx.embedding, ctx.values_dtype = embedding, values.dtype
+        ctx.columns_again = embedding.__dict__.get(COLUMNS_AGAIN)
+        ctx.save_for_backward(tokens, row_starts, *([] if ctx.columns_again else [columns]))
         weight = densify(values, columns, row_starts, embedding.compact_shape("weight"))
         padding_idx = -1 if embedding.padding_idx is None else embedding.padding_idx
         return _own_tensor(torch.ops.aten.embedding(weight, tokens, padding_idx, embedding.scale_grad_by_freq, False))
 
     @staticmethod
     def backward(ctx, grad_output):
-        tokens, values, columns, row_starts = ctx.saved_tensors
+        tokens, row_starts, *columns = ctx.saved_tensors
         embedding = ctx.embedding
         padding_idx = -1 if embedding.padding_idx is None else embedding.padding_idx
         grad_weight = torch.ops.aten.embedding_dense_backward(
             grad_output, tokens, embedding.num_embeddings, padding_idx, embedding.scale_grad_by_freq
         )
-        return None, gather(grad_weight, columns, row_starts, values.dtype), None, None, None
+        columns = columns[0] if columns else ctx.columns_again()
+        return None, gather(grad_weight, columns, row_starts, ctx.values_dtype), None, None, None
+
+
+# Sharded training: a compact embedding's attribute (in its __dict__), a function that gathers its
+# weight's columns again for backward (``lowmem.techniques.compact_shards``).
+COLUMNS_AGAIN = "_lowmem_columns_again"
 
 
 def _untraced(x: torch.Tensor | fx.Proxy) -> torch.Tensor:
@@ -554,8 +580,11 @@ class CompactWeights:
         return _values(module, attr)
 
     def positions(self, name: str) -> torch.Tensor:
-        """The flat positions of weight ``name``'s active entries, increasing: a new int64 tensor."""
+        """The flat positions of weight ``name``'s active entries, increasing: a new int64 tensor
+        (shared values: inside ``gathered()`` only)."""
         module, attr = self._owners[name]
+        if self.shared is not None and self.columns is None:
+            raise RuntimeError(f"compact weight {name}: its positions are sharded; read them inside gathered()")
         return flat_positions(*_index(module, attr))
 
     def layer(self, name: str) -> tuple[nn.Parameter, torch.Tensor]:
@@ -596,64 +625,106 @@ class CompactWeights:
     # ------------------------------------------------------------------------- sharded training
     def share_values(self, model: nn.Module) -> None:
         """Make the values of every layer one parameter of ``model``, ``SHARED_VALUES`` (a parameter,
-        not a submodule, which a container model would run), to be sharded: the flat buffer, whose
-        size a rewiring never changes. The layers' ``<name>_values`` stop being parameters; they are
-        bound, as views of gathered values, by the units' hooks that
-        ``lowmem.techniques.compact_shards.UnitGathering`` installs, or inside ``gathered()``."""
+        not a submodule, which a container model would run), and their columns one buffer,
+        ``SHARED_COLUMNS``, to be sharded: the flat buffers, whose sizes a rewiring never changes.
+        The layers' ``<name>_values`` stop being parameters and their ``<name>_columns`` buffers;
+        they are bound, as views of gathered ones, by the units' hooks that
+        ``lowmem.techniques.compact_shards.UnitGathering`` installs, or inside ``gathered()``. The
+        row starts (8 bytes per 2^15 dense entries) stay every layer's buffers, whole."""
         self._follow_the_model()
         requires_grad = any(self.values_of(name).requires_grad for name in self.names)
         for name in self.names:
             for place, attr in self.places(name):
                 del place._parameters[attr + _VALUES]
+                del place._buffers[attr + _COLUMNS]
         model.register_parameter(SHARED_VALUES, nn.Parameter(self.values, requires_grad=requires_grad))
-        self.shared, self.values = model, None
+        model.register_buffer(SHARED_COLUMNS, self.columns)
+        self.shared, self.values, self.columns = model, None, None
 
     @property
     def shared_values(self) -> nn.Parameter:
         """Shared values: the parameter as the model holds it now (sharded, or gathered by FSDP2)."""
         return getattr(self.shared, SHARED_VALUES)
 
+    @property
+    def shared_columns(self) -> torch.Tensor:
+        """Shared values: the columns buffer as the model holds it now (sharded)."""
+        return getattr(self.shared, SHARED_COLUMNS)
+
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """Shared values: inside, ``values`` holds every value on every rank (gathered: a collective,
-        entered on every rank) and the layers' values are views of it; what is written there is
-        kept (each rank copies back the rows it holds). Re-entrant; without shared values, nothing."""
+        """Shared values: inside, ``values`` and ``columns`` hold every value and column on every rank
+        (gathered: a collective, entered on every rank) and the layers' values and columns are views
+        of them; what is written there is kept (each rank copies back the rows it holds).
+        Re-entrant; without shared values, nothing."""
         if self.shared is None or self.values is not None:
             yield
             return
         self.values = full(self.shared_values.detach()).clone()
-        self.bind(self.values)
+        self.columns = full(self.shared_columns).clone()
+        self.bind(self.values, self.columns)
         try:
             yield
             write_full(self.shared_values, self.values)
+            write_full(self.shared_columns, self.columns)
         finally:
             self.unbind()
-            self.values = None
+            self.values = self.columns = None
+
+    def join_columns(self, layers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The flat columns buffer of ``layers`` (each weight's columns, whole, by weight name: a
+        state dict of before the positions were shared, under ``<name>_columns``), the weights' in
+        ``names``' order then zeros up to the capacity: what ``SHARED_COLUMNS`` holds whole."""
+        columns = [layers[name].to(torch.int16) for name in self.names]
+        unused = self.capacity - sum(c.numel() for c in columns)
+        if unused < 0 or [c.numel() for c in columns] != self.counts:
+            raise ValueError(
+                f"compact positions of {[c.numel() for c in columns]} entries per weight do not fit this "
+                f"model's layout {self.counts}"
+            )
+        return torch.cat([*columns, columns[0].new_zeros(unused)])
+
+    def column_keys(self, name: str) -> list[str]:
+        """The state-dict keys that held weight ``name``'s columns before they were shared (each place's)."""
+        return [name + _COLUMNS] + [qualified + _COLUMNS for qualified, _, _ in self._tied[name]]
 
     def places(self, name: str) -> list[tuple[nn.Module, str]]:
         """(module, attribute) of every place holding weight ``name`` (tied places included)."""
         return [self._owners[name]] + [(module, attr) for _, module, attr in self._tied[name]]
 
-    def bind(self, flat: torch.Tensor, first: int = 0, stop: int | None = None) -> None:
+    def bind(
+        self,
+        values: torch.Tensor,
+        columns: torch.Tensor,
+        first: int = 0,
+        stop: int | None = None,
+        at: nn.Module | None = None,
+    ) -> None:
         """Shared values: the layers ``names[first:stop]`` (default: every layer) get their
-        ``<name>_values`` as views of ``flat``, which holds their values, in order, from its start
-        (and may hold more after them: unused capacity).
+        ``<name>_values`` and ``<name>_columns`` as views of ``values`` and ``columns``, which hold
+        theirs, in order, from their start (and may hold more after them: unused capacity); ``at``:
+        at that module's places only (default: at every place of each weight).
 
         The views come from one ``split``, not a slice each: in backward a slice's node makes a
         gradient of every value, zeros but its own, for each layer (with the gathered values of
         DynamicConv, 38.6 MB per layer, several at once); the split's node joins the layers'
         gradients once, when the last has come."""
         names, counts = self.names[first:stop], self.counts[first:stop]
-        views = flat.split([*counts, flat.numel() - sum(counts)])  # the last: what follows them
-        for name, view in zip(names, views, strict=False):
+        views = values.split([*counts, values.numel() - sum(counts)])  # the last: what follows them
+        column_views = columns.split([*counts, columns.numel() - sum(counts)])
+        for name, view, column_view in zip(names, views, column_views, strict=False):
             for place, attr in self.places(name):
-                place.__dict__[attr + _VALUES] = view
+                if at is None or place is at:
+                    place.__dict__[attr + _VALUES], place.__dict__[attr + _COLUMNS] = view, column_view
 
-    def unbind(self, first: int = 0, stop: int | None = None) -> None:
-        """Shared values: drop ``bind``'s views of the layers ``names[first:stop]``."""
+    def unbind(self, first: int = 0, stop: int | None = None, at: nn.Module | None = None) -> None:
+        """Shared values: drop ``bind``'s views of the layers ``names[first:stop]`` (``at``: at that
+        module's places only)."""
         for name in self.names[first:stop]:
             for place, attr in self.places(name):
-                place.__dict__.pop(attr + _VALUES, None)
+                if at is None or place is at:
+                    place.__dict__.pop(attr + _VALUES, None)
+                    place.__dict__.pop(attr + _COLUMNS, None)
 
     def _store(self, layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         total = sum(positions.numel() for positions, _ in layers.values())
@@ -674,13 +745,15 @@ class CompactWeights:
             if self.shared is None:
                 getattr(module, attr + _VALUES).data = self.values[start : start + count]  # tied places share it
             columns, row_starts = self.columns[start : start + count], self.row_starts[row : row + rows]
-            for place, place_attr in [(module, attr)] + [(m, a) for _, m, a in self._tied[name]]:
-                place._buffers[place_attr + _COLUMNS], place._buffers[place_attr + _ROW_STARTS] = columns, row_starts
+            for place, place_attr in self.places(name):
+                place._buffers[place_attr + _ROW_STARTS] = row_starts
+                if self.shared is None:  # shared: bound below
+                    place._buffers[place_attr + _COLUMNS] = columns
             self.counts[index] = count
             start += count
             row += rows
         if self.shared is not None:
-            self.bind(self.values)
+            self.bind(self.values, self.columns)
 
     def _follow_the_model(self) -> None:
         """If the model was cast or moved since (``model.to(...)`` gives every parameter and buffer

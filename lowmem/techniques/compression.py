@@ -69,6 +69,7 @@ from lowmem import kernels
 from lowmem.kernels import cpu
 from lowmem.kernels.reference import _fmix32_tensor, fmix32, tensor_keys
 from lowmem.profiler.activations import SAVED_FORM, op_tensors, saved_by_relu_itself, storage_key
+from lowmem.techniques.compact_shards import is_gathered_values
 
 WIDTHS = (8, 4, 2)  # checkpointing.compress, widest first
 GROUP = 256  # elements per quantization group (one FP32 minimum and step each)
@@ -489,13 +490,15 @@ def _index_dtype(positions: int) -> torch.dtype:
 
 def is_model_state(tensor: torch.Tensor, state_shapes: set[tuple[int, ...]]) -> bool:
     """Whether a saved ``tensor`` is model state, not an activation: a leaf (a parameter, a buffer,
-    the minibatch), a view of a parameter (a part of it: each layer's compact values under
-    ``trainer.parallel=fsdp`` are views of one gathered parameter), or a parameter transposed,
+    the minibatch), a view of a parameter (a part of it), a layer's compact values under
+    ``trainer.parallel=fsdp`` (a view of its unit's gathered values), or a parameter transposed,
     cast or masked (shaped like a parameter, of one of ``state_shapes``, and computed from
     parameters alone)."""
     if tensor.grad_fn is None:
         return True
     if isinstance(tensor._base, nn.Parameter):  # not a recomputation's input: a view of a plain leaf
+        return True
+    if is_gathered_values(tensor):  # compact values gathered for a unit of sharded training
         return True
     return tuple(tensor.shape) in state_shapes and _from_model_state(tensor.grad_fn)
 

@@ -25,8 +25,17 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """Every entry of ``tensor`` on every rank (a collective for a sharded tensor: call it on every
-    rank), as a plain tensor; ``tensor`` itself when it is not sharded."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    rank), as a plain tensor; ``tensor`` itself when it is not sharded. int16 (compact positions),
+    which gloo does not carry, travels as FP16 bits."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tensor.dtype == torch.int16:
+        piece = tensor.to_local().view(torch.float16)
+        bits = DTensor.from_local(
+            piece, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride(), run_check=False
+        )
+        return bits.full_tensor().view(torch.int16)
+    return tensor.full_tensor()
 
 
 def row_range(rows: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -298,12 +298,16 @@ class DynamicSparsity:
         """Active entries per weight, as new dense bool tensors (for inspection and tests: the
         training path never builds them)."""
         if self.compact is not None:
-            return {name: self.compact.mask(name) for name in self._names}
+            with self.compact.gathered():  # sharded positions: a collective, on every rank
+                return {name: self.compact.mask(name) for name in self._names}
         return {name: inactive.logical_not() for name, inactive in self._inactive.items()}
 
     def dense_weight(self, name: str) -> torch.Tensor:
         """Weight ``name`` as a dense tensor (compact storage: a new one)."""
-        return self.compact.dense(name) if self.compact is not None else self.model.get_parameter(name)
+        if self.compact is None:
+            return self.model.get_parameter(name)
+        with self.compact.gathered():  # sharded values: a collective, on every rank
+            return self.compact.dense(name)
 
     def trained_parameters(self) -> dict[str, tuple[torch.Size, int]]:
         """The parameter that holds each sparse weight, by its name in ``model.named_parameters()``
@@ -319,8 +323,10 @@ class DynamicSparsity:
 
     def mask_checksum(self) -> int:
         """An exact fingerprint of the active positions (sum of active flat positions, layer-weighted):
-        data-parallel ranks compare it after every rewiring."""
-        sums = [self._active_positions(name).sum() * layer for layer, name in enumerate(self._names, start=1)]
+        data-parallel ranks compare it after every rewiring (sharded positions are gathered: a
+        collective, on every rank)."""
+        with self.compact.gathered() if self.compact is not None else contextlib.nullcontext():
+            sums = [self._active_positions(name).sum() * layer for layer, name in enumerate(self._names, start=1)]
         return int(torch.stack(sums).sum())
 
     def layer_density(self) -> dict[str, float]:
@@ -537,7 +543,7 @@ class DynamicSparsity:
                 )
             counts = [int(saved[name]) for name in self._names]
             if counts != self.compact.counts:  # placeholders of the saved sizes, filled by the model's load
-                positions = self.compact.columns.new_zeros((), dtype=torch.int32)
+                positions = self.compact.row_starts.new_zeros((), dtype=torch.int32)
                 with self.compact.gathered():  # shared (sharded) values: every value, on every rank
                     self.compact.relayout(
                         {
