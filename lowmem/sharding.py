@@ -507,11 +507,12 @@ def account_shards(
             held = _state_entry_bytes(optimizer, param, entries, None, None)
             optimizer_bytes += entries * piece.element_size() + held
             state_bytes += held
-    gathering = sparsity.compact.gathering if sparsity is not None and sparsity.compact is not None else None
-    if sparsity is not None and sparsity.compact is not None:
+    compact = sparsity.compact if sparsity is not None else None
+    gathering = compact.gathering if compact is not None else None
+    if compact is not None:
         # Compact positions as CSR index bytes, each weight's share in this rank's piece of the
         # sharded columns (their rows of the flat buffer; every rank holds the row starts whole).
-        low, high = (0, sparsity.compact.capacity) if gathering is None else gathering.local_range()
+        low, high = (0, compact.capacity) if gathering is None else gathering.local_range()
         start = 0
         for shape, count in sparsity.trained_parameters().values():
             mine = max(0, min(start + count, high) - max(start, low))
@@ -554,9 +555,10 @@ def planned_gathered_bytes(
     """What ``account_shards`` calls ``gathered_bytes`` for ``model`` not sharded yet (the planner's
     what-if): the weights outside the blocks ``shard_model`` would make units plus the largest
     block's, in the dtype FSDP2 gathers them in (``autocast_dtype`` under amp; compact sparse values,
-    gathered per unit by lowmem with their columns, in their own), less those every rank holds whole; ``sparse``: name
-    -> (dense shape, active count) of the sparse weights (their active entries now: a rewiring moves
-    entries between units); ``param_dtype``, ``autocast_dtype``: as for ``shard_model``."""
+    gathered per unit by lowmem with their columns, in their own), less those every rank holds
+    whole; ``sparse``: name -> (dense shape, active count) of the sparse weights (their active
+    entries now: a rewiring moves entries between units); ``param_dtype``, ``autocast_dtype``: as
+    for ``shard_model``."""
     sparse = sparse or {}
     blocks = sharded_blocks(model)
     block_of = {id(p): index for index, block in enumerate(blocks) for p in block.parameters()}

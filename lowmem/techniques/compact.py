@@ -676,13 +676,12 @@ class CompactWeights:
         state dict of before the positions were shared, under ``<name>_columns``), the weights' in
         ``names``' order then zeros up to the capacity: what ``SHARED_COLUMNS`` holds whole."""
         columns = [layers[name].to(torch.int16) for name in self.names]
-        unused = self.capacity - sum(c.numel() for c in columns)
-        if unused < 0 or [c.numel() for c in columns] != self.counts:
+        if [c.numel() for c in columns] != self.counts:
             raise ValueError(
                 f"compact positions of {[c.numel() for c in columns]} entries per weight do not fit this "
                 f"model's layout {self.counts}"
             )
-        return torch.cat([*columns, columns[0].new_zeros(unused)])
+        return torch.cat([*columns, columns[0].new_zeros(self.capacity - sum(self.counts))])
 
     def column_keys(self, name: str) -> list[str]:
         """The state-dict keys that held weight ``name``'s columns before they were shared (each place's)."""

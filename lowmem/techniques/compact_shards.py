@@ -108,7 +108,7 @@ class UnitGathering:
         self.reduce_dtype = reduce_dtype
         values, columns = getattr(model, SHARED_VALUES), getattr(model, SHARED_COLUMNS)
         self.numel = values.numel()
-        start, stop = row_range(self.numel, self.rank, self.world)
+        start, stop = self.local_range()
         piece = values.detach()[start:stop].clone()
         model.register_parameter(SHARED_VALUES, nn.Parameter(self._sharded(piece), requires_grad=values.requires_grad))
         model.register_buffer(SHARED_COLUMNS, self._sharded(columns[start:stop].clone()))
@@ -221,7 +221,7 @@ class UnitGathering:
             if rank == self.rank:
                 if flat.grad is None:
                     flat.grad = self._sharded(torch.zeros_like(flat.to_local()))
-                offset = begin - row_range(self.numel, rank, self.world)[0]
+                offset = begin - self.local_range()[0]
                 mine = flat.grad.to_local()[offset : offset + part.numel()]
                 mine.add_((part / self.world).to(mine.dtype))
 
@@ -232,7 +232,7 @@ class UnitGathering:
         gathered = piece.new_empty(high - low)
         for rank, begin, part in self._parts(low, high, gathered):
             if rank == self.rank:
-                offset = begin - row_range(self.numel, rank, self.world)[0]
+                offset = begin - self.local_range()[0]
                 part.copy_(piece[offset : offset + part.numel()])
             if self.world > 1:
                 dist.broadcast(part, src=dist.get_global_rank(self.group, rank), group=self.group)
