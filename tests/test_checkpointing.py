@@ -190,6 +190,40 @@ def test_recomputing_bn_from_kept_statistics_gives_the_same_bits(wrn_data, strat
     assert max_difference(*results) == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(4, 32, 8, 8), (3, 5, 7, 7), (2, 6, 5), (1, 3, 1, 1), (8, 16, 96, 96)])
+def test_recomputed_norm_relu_is_bn_kernels_output_in_one_pass(shape, dtype):
+    """The C kernel that recomputes ReLU(BN) from the kept statistics (one pass, no FP32 scratch)
+    returns the BN kernel's output after ReLU bit for bit, as torch's ops do; the largest shape is
+    split across threads. NaN stays NaN; every value not above 0 becomes +0."""
+    from lowmem.kernels import cpu as cpu_kernels
+    from lowmem.techniques import checkpointing
+
+    if cpu_kernels.library() is None:
+        pytest.skip("no C compiler: the torch ops are used")
+    generator = torch.Generator().manual_seed(sum(shape))
+    norm = nn.BatchNorm2d(shape[1])
+    norm.weight.data.normal_(generator=generator)
+    norm.bias.data.normal_(generator=generator)
+    x = (3 * torch.randn(shape, generator=generator)).to(dtype)
+    flat = x.view(-1)
+    flat[:3] = torch.tensor([0.0, -0.0, float("nan")])
+    _, mean, invstd = torch.ops.aten.native_batch_norm(x, norm.weight, norm.bias, None, None, True, 0.0, 1e-5)
+    flat[2] = 0.0  # NaN would make every statistic NaN: the kernel's output is compared without it
+    out, mean, invstd = torch.ops.aten.native_batch_norm(x, norm.weight, norm.bias, None, None, True, 0.0, 1e-5)
+    scale, shift = checkpointing._scale_and_shift(norm, mean, invstd)
+    assert cpu_kernels.norm_relu_fits(x, scale, shift)
+    with torch.no_grad():
+        fused = checkpointing._norm_relu_from_statistics(norm, x, mean, invstd)
+        by_torch = checkpointing._normalized_from_statistics(norm, x, mean, invstd).relu_()
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(fused.view(bits), out.relu().view(bits))
+    assert torch.equal(fused.view(bits), by_torch.view(bits))
+    assert not torch.signbit(fused).any()
+    flat[-1] = float("nan")
+    assert cpu_kernels.norm_relu(x, scale, shift).view(-1)[-1].isnan()
+
+
 def test_composes_with_simulated_microbatching(wrn_data):
     reference = WideResNet(depth=10, width=1).double()
     apply_simulated_microbatching(reference, 3)

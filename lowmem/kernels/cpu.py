@@ -72,6 +72,7 @@ _SIGNATURES |= {
     "lowmem_gather": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i32],
     "lowmem_quantize_activation": [_i64, _ptr, _i32, _i32, ctypes.c_uint32, _i64, _i64, _ptr, _ptr, _ptr],
     "lowmem_dequantize_activation": [_i64, _ptr, _ptr, _ptr, _i32, _ptr, _i32, _i64, _i64],
+    "lowmem_norm_relu": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i64, _i64],
 }
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
@@ -402,6 +403,48 @@ def gather(
     """``out`` := the entries of ``dense`` (flat, ``out``'s dtype) at the active positions."""
     library().lowmem_gather(out.data_ptr(), dense.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
                             row_starts.numel() - 1, row, out.element_size())  # fmt: skip
+
+
+# --- recomputed BatchNorm-ReLU ------------------------------------------------------------------
+
+
+def norm_relu_fits(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> bool:
+    """Whether ``norm_relu`` can take these: a contiguous plain CPU ``x`` of FP32, FP16 or BF16 with
+    at least one dimension, contiguous FP32 ``scale`` and ``shift`` of one value per channel
+    (dimension 1), and the C kernels built."""
+    return (
+        x.device.type == "cpu"
+        and x.dim() >= 2
+        and x.dtype in DTYPE_CODES
+        and type(x) in _PLAIN
+        and x.is_contiguous()
+        and all(t.dtype == torch.float32 and t.is_contiguous() and t.numel() == x.shape[1] for t in (scale, shift))
+        and library() is not None
+    )
+
+
+def norm_relu(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``relu(addcmul(shift, x, scale))`` per channel, rounded once to ``x``'s dtype, in one pass
+    (``norm_relu_fits`` must hold): a new tensor like ``x``."""
+    lib, out = library(), torch.empty_like(x)
+    batch, channels = x.shape[0], x.shape[1]
+    plane = x.numel() // max(1, batch * channels)
+
+    def call(first: int, count: int) -> None:
+        lib.lowmem_norm_relu(out.data_ptr(), x.data_ptr(), scale.data_ptr(), shift.data_ptr(), channels, plane,
+                             DTYPE_CODES[x.dtype], first, count)  # fmt: skip
+
+    threads = torch.get_num_threads() if x.numel() >= PARALLEL_ELEMENTS and batch > 1 else 1
+    per = -(-batch // max(1, threads))
+    shards = [(first, min(per, batch - first)) for first in range(0, batch, per)]
+    if len(shards) == 1:
+        call(*shards[0])
+    else:
+        for future in [_pool(len(shards)).submit(call, *shard) for shard in shards]:
+            future.result()
+    return out
+
+
 def _group_shards(groups: int) -> list[tuple[int, int]]:
     """Groups [0, groups) cut into up to ``torch.get_num_threads()`` (first, count) ranges."""
     threads = torch.get_num_threads() if groups * 256 >= PARALLEL_ELEMENTS else 1

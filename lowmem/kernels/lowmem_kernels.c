@@ -4,7 +4,8 @@
  *
  * The arithmetic is lowmem/kernels/reference.py's, operation for operation, in the same order, each
  * one correctly rounded FP32 operation and none fused: built with -ffp-contract=off, `a + b * c` is a
- * multiply and an add here as in the reference, whatever the CPU (see that file for the definitions;
+ * multiply and an add here as in the reference, whatever the CPU (an explicit fmaf only where the torch op
+ * it reproduces fuses, as BN's kernel does: lowmem_norm_relu; see that file for the definitions;
  * lowmem/kernels/triton_kernels.py is the CUDA twin).
  * Tensors are passed as arrays of addresses (int64) with their element counts.
  */
@@ -448,4 +449,34 @@ void lowmem_dequantize_activation(int64_t count, const uint8_t *codes, const flo
 #define DEQUANTIZE(B, D) dequantize_groups(count, codes, lows, steps, out, first_group, groups, B, D)
     FOR_WIDTH_AND_DTYPE(DEQUANTIZE, bits, dtype);
 #undef DEQUANTIZE
+}
+
+/* BatchNorm's training-mode output recomputed from kept per-channel statistics, then ReLU
+ * (lowmem/techniques/checkpointing.py, whose torch version is the definition): out = relu(round(
+ * fma(x, scale[c], shift[c]))) over a contiguous (batch, channels, plane) tensor, x and out of one
+ * dtype (FP16, BF16 or FP32), the multiply-add rounded once to FP32 as the CPU BN kernel rounds it,
+ * then once to the dtype. ReLU gives +0 for every value not above 0; NaN stays NaN. Examples
+ * [first, first + count). */
+#define NORM_RELU(dtype)                                                                            \
+    for (int64_t n = first; n < first + count; n++)                                                 \
+        for (int64_t c = 0; c < channels; c++) {                                                    \
+            const float a = scale[c], b = shift[c];                                                 \
+            const int64_t base = (n * channels + c) * plane;                                        \
+            for (int64_t i = base; i < base + plane; i++) {                                         \
+                if (dtype == FP32) {                                                                \
+                    float v = fmaf(((const float *)x)[i], a, b);                                    \
+                    ((float *)out)[i] = v > 0.0f || v != v ? v : 0.0f;                              \
+                } else {                                                                            \
+                    uint16_t r = round_nearest(fmaf(load16((const uint16_t *)x, i, dtype), a, b), dtype); \
+                    float v = load16(&r, 0, dtype);                                                 \
+                    ((uint16_t *)out)[i] = v > 0.0f || v != v ? r : 0;                              \
+                }                                                                                   \
+            }                                                                                       \
+        }
+
+void lowmem_norm_relu(void *out, const void *x, const float *scale, const float *shift, int64_t channels,
+                      int64_t plane, int dtype, int64_t first, int64_t count) {
+    if (dtype == FP32) { NORM_RELU(FP32) }
+    else if (dtype == BF16) { NORM_RELU(BF16) }
+    else { NORM_RELU(FP16) }
 }

@@ -40,6 +40,7 @@ parameter or state-dict key, so it composes with precision conversion and sparsi
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 
 import torch
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from lowmem.kernels import cpu as cpu_kernels
 from lowmem.residual import (
     plain_norm_relu_conv,
     relu_of_norm,
@@ -504,7 +506,7 @@ class _NormReluConvRecomputed(torch.autograd.Function):
         normalized_by = None  # the recomputed norm's graph (generic path)
         if statistics:
             with torch.no_grad():
-                activation = _normalized_from_statistics(norm, saved_x, *statistics).relu_()
+                activation = _norm_relu_from_statistics(norm, saved_x, *statistics)
         else:
             x, x_alias = _recomputation_input(saved_x)
             with ctx.autocast.restore(), scratch_running_stats([norm]), torch.enable_grad():
@@ -572,6 +574,23 @@ def _batch_norm_with_statistics(norm: nn.BatchNorm2d, x: torch.Tensor) -> tuple[
     )
 
 
+def _norm_relu_from_statistics(
+    norm: nn.BatchNorm2d, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
+) -> torch.Tensor:
+    """``relu(_normalized_from_statistics(...))``: on a CPU with lowmem's C kernels, one pass over
+    ``x`` with no FP32 temporary (``lowmem.kernels.cpu.norm_relu``, the same bits); else torch's ops."""
+    scale, shift = _scale_and_shift(norm, mean, invstd)
+    if os.environ.get("LOWMEM_KERNELS", "auto") != "torch" and cpu_kernels.norm_relu_fits(x, scale, shift):
+        return cpu_kernels.norm_relu(x, scale, shift)
+    return _normalized_from_statistics(norm, x, mean, invstd).relu_()
+
+
+def _scale_and_shift(norm: nn.BatchNorm2d, mean: torch.Tensor, invstd: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per channel, a = invstd * weight and b = bias - mean * a (BN's CPU kernel's own)."""
+    scale = invstd * norm.weight
+    return scale, torch.addcmul(norm.bias, mean, scale, value=-1)
+
+
 def _normalized_from_statistics(
     norm: nn.BatchNorm2d, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
 ) -> torch.Tensor:
@@ -579,8 +598,7 @@ def _normalized_from_statistics(
     a = invstd * weight and b = bias - mean * a, each multiply-add rounded once as the CPU kernel
     rounds it (bitwise the kernel's output). A 16-bit ``x`` is computed in FP32 a few examples at a
     time, so the FP32 temporary stays small."""
-    scale = invstd * norm.weight
-    shift = torch.addcmul(norm.bias, mean, scale, value=-1)
+    scale, shift = _scale_and_shift(norm, mean, invstd)
     shape = (1, -1) + (1,) * (x.dim() - 2)
     shift, scale = shift.view(shape), scale.view(shape)
     if x.dtype == scale.dtype:

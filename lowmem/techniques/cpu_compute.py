@@ -140,10 +140,12 @@ class Fp32Arithmetic:
         self.computed[kind] += 1
         handler = _HANDLERS.get(func, _in_fp32)
         if not self.measure_scratch:
-            return handler(func, dtype, args, kwargs)
+            # The FP32 op straight to the kernel this module replaced: dispatched again, it would come
+            # back through the override (tens of microseconds of Python for nothing).
+            return handler(func, _NATIVE.get(func, func), dtype, args, kwargs)
         live = self.live_bytes() if self.live_bytes is not None else 0
-        with _ScratchMeter() as meter:
-            result = handler(func, dtype, args, kwargs)
+        with _ScratchMeter() as meter:  # it must see the FP32 op's result: dispatched again
+            result = handler(func, func, dtype, args, kwargs)
         self.scratch_peak_bytes = max(self.scratch_peak_bytes, meter.peak)
         self.peak_with_scratch_bytes = max(self.peak_with_scratch_bytes, live + meter.peak)
         return result
@@ -157,6 +159,11 @@ def _contexts() -> list[Fp32Arithmetic]:
     if not hasattr(_thread, "contexts"):
         _thread.contexts = []
     return _thread.contexts
+
+
+# Each overridden op's FP32 kernel as the dispatcher had it (``_CpuKernels.install``), called directly.
+_NATIVE: dict = {}
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
 class _CpuKernels:
@@ -183,6 +190,7 @@ class _CpuKernels:
                     name = func._schema.name  # "aten::mm": every op here is its default overload
                     replaced = torch._C._dispatch_get_computed_kernel_for_dispatch_key(name, torch._C.DispatchKey.CPU)
                     library.impl(name.removeprefix("aten::"), _override(func, kind, replaced), "CPU", with_keyset=True)
+                    _NATIVE[func] = functools.partial(replaced.call_boxed, _CPU)
                 cls._library = library
 
 
@@ -246,12 +254,15 @@ def _operand_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
-def _in_fp32(func, dtype: torch.dtype, args: tuple, kwargs: dict):
+def _in_fp32(func, call: Callable, dtype: torch.dtype, args: tuple, kwargs: dict):
+    """The op ``func``, run by ``call`` (``func`` itself, or its FP32 kernel: ``_NATIVE``) on FP32
+    copies of the ``dtype`` operands; each result rounded once to ``dtype``."""
+
     def up(value):
         return value.float() if isinstance(value, torch.Tensor) and value.dtype == dtype else value
 
     # The FP32 copies live for the call only: they die before the results are rounded.
-    result = func(*tree_map(up, args), **tree_map(up, kwargs))
+    result = call(*tree_map(up, args), **tree_map(up, kwargs))
     keep = _FP32_OUTPUTS.get(func, ())
 
     def down(value):
@@ -269,14 +280,14 @@ def _in_fp32(func, dtype: torch.dtype, args: tuple, kwargs: dict):
 BLOCK_BYTES = 16 << 20
 
 
-def _matrix_product_in_fp32(func, dtype, args, kwargs):
+def _matrix_product_in_fp32(func, call, dtype, args, kwargs):
     """``mm(a, b)`` / ``addmm(bias, a, b, beta=, alpha=)`` in FP32, in blocks along the largest of
     a's rows, b's columns (each result element computed whole, rounded once) and the shared
     dimension (the blocks' products summed in an FP32 result, rounded once at the end)."""
     bias, (a, b) = (None, args) if func is _aten.mm.default else (args[0], args[1:])
     (rows, shared), columns = a.shape, b.shape[1]
     if 4 * (rows * shared + shared * columns + rows * columns) <= BLOCK_BYTES:
-        return _in_fp32(func, dtype, args, kwargs)
+        return _in_fp32(func, call, dtype, args, kwargs)
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     largest = max(rows, shared, columns)
     if largest == shared:
@@ -318,26 +329,27 @@ CHUNK_BYTES = 1 << 20
 def _channel_blocks(weight: torch.Tensor, transposed: bool, groups: int) -> list[slice]:
     """Blocks of output channels (multiples of 16) whose FP32 weight is at most ``CHUNK_BYTES``;
     one block, the whole weight, when it is small, grouped or transposed."""
-    channels, per_channel = weight.shape[0], weight[0].numel() * 4
+    channels = weight.shape[0]
+    per_channel = weight.numel() // max(1, channels) * 4
     if groups != 1 or transposed or channels * per_channel <= CHUNK_BYTES:
         return [slice(None)]
     step = max(16, CHUNK_BYTES // per_channel // 16 * 16)
     return [slice(start, min(start + step, channels)) for start in range(0, channels, step)]
 
 
-def _convolution_in_fp32(func, dtype, args, kwargs):
-    """``convolution`` in FP32, per block of output channels (``_channel_blocks``), each block's
-    output rounded once into the 16-bit result."""
+def _convolution_in_fp32(func, call, dtype, args, kwargs):
+    """``convolution`` in FP32 (run by ``call``), per block of output channels (``_channel_blocks``),
+    each block's output rounded once into the 16-bit result."""
     if kwargs:  # the dispatcher passes every argument positionally; anything else whole
-        return _in_fp32(func, dtype, args, kwargs)
+        return _in_fp32(func, call, dtype, args, kwargs)
     inputs, weight, bias, *arguments = args
     blocks = _channel_blocks(weight, transposed=arguments[3], groups=arguments[5])
     if len(blocks) == 1:  # the FP32 input and weight die before the result is rounded
-        return _aten.convolution.default(inputs.float(), weight.float(), _up(bias), *arguments).to(dtype)
+        return call(inputs.float(), weight.float(), _up(bias), *arguments).to(dtype)
     inputs = inputs.float()
     output = None
     for block in blocks:
-        part = _aten.convolution.default(inputs, weight[block].float(), _up(bias, block), *arguments)
+        part = call(inputs, weight[block].float(), _up(bias, block), *arguments)
         if output is None:
             shape = (part.shape[0], weight.shape[0], *part.shape[2:])
             output = torch.empty(shape, dtype=dtype, memory_format=_memory_format(part))
@@ -346,7 +358,7 @@ def _convolution_in_fp32(func, dtype, args, kwargs):
     return output
 
 
-def _convolution_backward_in_fp32(func, dtype, args, kwargs):
+def _convolution_backward_in_fp32(func, call, dtype, args, kwargs):
     """``convolution_backward`` in FP32, per block of output channels (``_channel_blocks``): each
     block's weight (and bias) gradient is its part of the result; the input's gradient sums the
     blocks' in FP32. Each result is rounded once, into the layout the native op returns.
@@ -354,10 +366,10 @@ def _convolution_backward_in_fp32(func, dtype, args, kwargs):
     The operands are real FP32 copies: a zero-stride stand-in for the operand a gradient does not
     read is materialized by the kernel (a fill as large as the copy, and slower)."""
     if kwargs:  # as in _convolution_in_fp32
-        return _in_fp32(func, dtype, args, kwargs)
+        return _in_fp32(func, call, dtype, args, kwargs)
     grad, inputs, weight, bias_sizes, *arguments, output_mask = args
     # arguments: stride, padding, dilation, transposed, output_padding, groups
-    backward = _aten.convolution_backward.default
+    backward = call
     blocks = _channel_blocks(weight, transposed=arguments[3], groups=arguments[5])
     if len(blocks) == 1:
         results = backward(grad.float(), inputs.float(), weight.float(), bias_sizes, *arguments, output_mask)
