@@ -5,7 +5,10 @@ each configuration: the stored activations (the most saved-for-backward bytes al
 gradients), the report's accounting (activations with the backward gradients at their peak, and
 the total with model and optimizer), the measured allocator peak of one real training step, the
 FLOPs (forward + backward + recomputation) and the median step time, each also as a ratio to plain
-FP32 PyTorch.
+FP32 PyTorch. Step times are taken round-robin: every row's trainer is built, then each repeat
+times one step of every row in turn, so a machine that slows down or speeds up during the run
+(other work, frequency) moves every row alike and the ratios hold; memory is measured first, row by
+row, with only that row's configuration alive.
 
 Rows:
 - plain PyTorch FP32 (no lowmem code: torch.optim.SGD, the same WRN);
@@ -20,7 +23,7 @@ capped library workspaces (``trainer.workspaces=capped``; the libraries read the
 so capped and default rows are separate runs); ``--tiny`` the same rows on WRN-10-1 (seconds on a
 CPU: what ``make gpu-report TINY=1`` runs); ``--json`` also writes the rows as JSON.
 
-    .venv/bin/python scripts/bench_memory.py [--repeats 3] [--out bench_memory.md] [--tiny]
+    .venv/bin/python scripts/bench_memory.py [--repeats 5] [--out bench_memory.md] [--tiny]
 """
 
 from __future__ import annotations
@@ -84,23 +87,29 @@ def lowmem_rows(sixteen: str) -> dict[str, list[str]]:
     }
 
 
-def median_seconds(step: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median wall time of ``step`` (seconds) after warm-up; on CUDA each step is waited for."""
+def median_seconds_round_robin(
+    steps: dict[str, Callable[[], object]], repeats: int, device: torch.device
+) -> dict[str, float]:
+    """Per name, the median wall time (seconds) of its step over ``repeats`` rounds, each round one
+    step of every name in turn, after warm-up; on CUDA each step is waited for."""
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(3 if device.type == "cuda" else 1):  # warm-up (CUDA: cuDNN's choices, graph capture)
-        step()
+    for step in steps.values():
+        for _ in range(3 if device.type == "cuda" else 1):  # warm-up (CUDA: cuDNN's choices, graph capture)
+            step()
     synchronize()
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
-        started = time.perf_counter()
-        step()
-        synchronize()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        for name, step in steps.items():
+            started = time.perf_counter()
+            step()
+            synchronize()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
-def plain_pytorch(batch, device, peer: bool, sixteen: torch.dtype, repeats: int) -> dict:
-    """Plain PyTorch (peer=False) or autocast + GradScaler + torch.utils.checkpoint (peer=True)."""
+def plain_pytorch(batch, device, peer: bool, sixteen: torch.dtype, measure: bool = True) -> tuple[dict, Callable]:
+    """Plain PyTorch (peer=False) or autocast + GradScaler + torch.utils.checkpoint (peer=True): its
+    memory and FLOPs (``measure``), and its training step."""
     torch.manual_seed(0)
     model = WideResNet(*WRN).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
@@ -138,37 +147,44 @@ def plain_pytorch(batch, device, peer: bool, sixteen: torch.dtype, repeats: int)
         scaler.step(optimizer)
         scaler.update()
 
+    if not measure:
+        return {}, step
     trace = account_activations(forward_backward, model, fake=False)
     peak = measure_peak(step, model, optimizer, arithmetic=arithmetic())
-    return {
+    row = {
         "stored": trace.max_saved_bytes,
         "accounted": trace.activation_bytes,
         "total": None,
         "peak": peak.peak_bytes,
         "flops": count_flops(forward_backward),
-        "seconds": median_seconds(step, repeats, device),
     }
+    return row, step
 
 
-def lowmem_row(overrides: list[str], repeats: int) -> dict:
+def lowmem_row(overrides: list[str], measure: bool = True) -> tuple[dict, Callable]:
+    """A lowmem configuration's memory and FLOPs (``measure``: the profiler's real step), and its
+    training step."""
     trainer = build_trainer(compose(*BASE, *overrides, f"trainer.workspaces={WORKSPACES}"))
-    report = profile_trainer(trainer, measure=True)
     batch = trainer.example_batch()
-    return {
+    step = lambda: trainer.train_step(batch)  # noqa: E731
+    if not measure:
+        return {}, step
+    report = profile_trainer(trainer, measure=True)
+    row = {
         "stored": report.activation_saved_bytes,
         "accounted": report.activation_bytes,
         "total": report.total_bytes,
         "peak": report.peak_bytes,
         "flops": report.flops,
-        "seconds": median_seconds(lambda: trainer.train_step(batch), repeats, trainer.device),
         "precision": trainer.policy.name,
         "cpu_compute": trainer.cpu_compute_record(),
     }
+    return row, step
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="bench_memory.md")
     parser.add_argument("--only", nargs="*", help="substrings of row names to run")
     parser.add_argument("--workspaces", choices=("default", "capped"), default="default",
@@ -186,25 +202,36 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     configure_libraries(device, args.workspaces)  # before anything runs: the plain rows too
     sixteen = "fp16" if device.type == "cuda" else "bf16"
-    rows: dict[str, dict] = {}
     plain = {"plain PyTorch FP32": False, f"peer: autocast {sixteen.upper()} + GradScaler + torch checkpoint/2": True}
+    dtype = torch.float16 if sixteen == "fp16" else torch.bfloat16
+    makers: dict[str, Callable[[bool], tuple[dict, Callable]]] = {}
     for name, peer in plain.items():
-        if not args.only or any(s in name for s in args.only):
-            images, labels = build_trainer(compose(*BASE)).example_batch()
-            dtype = torch.float16 if sixteen == "fp16" else torch.bfloat16
-            rows[name] = plain_pytorch((images.float(), labels), device, peer, dtype, args.repeats)
-            del images, labels  # alive, they would count in the next rows' measured peaks
-            print(name, rows[name], flush=True)
+        makers[name] = lambda measure, peer=peer: plain_pytorch(plain_batch(), device, peer, dtype, measure)
     for name, overrides in lowmem_rows(sixteen).items():
-        if not args.only or any(s in name for s in args.only):
-            gc.collect()  # the previous rows' trainers must not count in this row's measured peak
-            rows[name] = lowmem_row(overrides, args.repeats)
-            print(name, rows[name], flush=True)
+        makers[name] = lambda measure, overrides=overrides: lowmem_row(overrides, measure)
+    makers = {name: make for name, make in makers.items() if not args.only or any(s in name for s in args.only)}
+    rows: dict[str, dict] = {}
+    for name, make in makers.items():  # memory, one configuration alive at a time
+        gc.collect()  # the previous rows' trainers must not count in this row's measured peak
+        rows[name] = make(True)[0]
+        print(name, rows[name], flush=True)
+    gc.collect()
+    steps = {name: make(False)[1] for name, make in makers.items()}  # then time, every row alive
+    for name, seconds in median_seconds_round_robin(steps, args.repeats, device).items():
+        rows[name]["seconds"] = seconds
+        print(f"{name}: {seconds:.3f} s a step", flush=True)
+    del steps
     table = render(rows, device, args.workspaces)
     print(table)
     save_bytes(table.encode(), args.out)
     if args.json:
         save_bytes(json.dumps(rows, indent=1).encode(), args.json)
+
+
+def plain_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The minibatch the plain PyTorch rows train on: the lowmem rows' own, in FP32."""
+    images, labels = build_trainer(compose(*BASE)).example_batch()
+    return images.float(), labels
 
 
 def render(rows: dict[str, dict], device: torch.device, workspaces: str = "default") -> str:
