@@ -40,10 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lowmem.profiler.peak import PeakMeasurement
 from lowmem.profiler.report import MemoryReport
@@ -60,7 +57,7 @@ from lowmem.techniques.compact import (
 )
 from lowmem.techniques.compact_shards import UnitGathering
 from lowmem.techniques.precision import NORMALIZATION_TYPES
-from lowmem.techniques.shards import full, local, local_rows, row_range, write_full
+from lowmem.techniques.shards import full, is_fsdp_module, local, local_rows, row_range, write_full
 from lowmem.techniques.shards import is_sharded as is_sharded_tensor
 from lowmem.techniques.sparsity import DynamicSparsity
 
@@ -113,6 +110,10 @@ def shard_model(
     gradients reduce-scattered in FP32 unless ``reduce_dtype`` says otherwise (in the gathered
     16 bits, the mean of N ranks' gradients would be rounded to 16 bits, which one process's FP32
     gradients are not). Normalization layers keep their FP32 weights, as under autocast."""
+    # FSDP2 is imported where it is used: 0.6 s of every process's start otherwise (lowmem.techniques.shards).
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     join_single_process_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     reduce = REDUCE_DTYPES.get(reduce_dtype) if reduce_dtype else None
@@ -180,7 +181,7 @@ def average_replicated_gradients(model: nn.Module) -> None:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    return is_fsdp_module(model)
 
 
 def set_gradient_sync(model: nn.Module, sync: bool) -> None:
@@ -227,6 +228,8 @@ def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) 
     ``torch.distributed.checkpoint``: each rank writes its own rows of every sharded tensor (nothing
     is gathered), tensors every rank holds alike once. A collective: call it on every rank. A
     checkpoint written by N ranks loads on any number (``load_shards``)."""
+    import torch.distributed.checkpoint as dcp
+
     dcp.save({"model": _model_state(model), "optimizer": _optimizer_state(optimizer)}, checkpoint_id=str(path))
 
 
@@ -239,6 +242,8 @@ def load_shards(
     reads that of the saved pieces its rows overlap, and ``optimizer.reshard_state`` takes it over
     exactly (codes and scales as saved). ``compact``: the model's compact weights, whose positions a
     checkpoint of before they were sharded holds per layer, whole."""
+    import torch.distributed.checkpoint as dcp
+
     state = {"model": _model_state(model), "optimizer": _optimizer_state(optimizer)}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
@@ -518,7 +523,7 @@ def account_shards(
             mine = max(0, min(start + count, high) - max(start, low))
             model_bytes += csr_index_bytes(shape, count) * mine // max(count, 1)
             start += count
-    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    units = [module for module in model.modules() if is_fsdp_module(module)]
     replicated = {id(p) for p in getattr(model, _REPLICATED, [])}
     owned = {id(p) for unit in units if unit is not model for p in unit.parameters()}
     # Compact values and columns: each unit's range, gathered by lowmem (values in their own dtype:

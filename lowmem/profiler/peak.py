@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import types
 import warnings
 import weakref
@@ -29,7 +30,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
@@ -118,7 +118,7 @@ class AllocationTracker(TorchDispatchMode):
 
     # --- bookkeeping ----------------------------------------------------------------------------
     def _add(self, tensor: torch.Tensor, category: str, recategorise: bool = False) -> None:
-        if isinstance(tensor, DTensor):  # sharded (FSDP2): this rank holds its local piece only
+        if _is_dtensor(tensor):  # sharded (FSDP2): this rank holds its local piece only
             tensor = tensor._local_tensor
         if not self._on_device(tensor.device) or isinstance(tensor, FakeTensor):
             return
@@ -427,3 +427,11 @@ def count_flops(run_step: Callable[[], object]) -> int:
     with FlopCounterMode(display=False) as counter:
         run_step()
     return counter.get_total_flops()
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a ``DTensor``, without importing ``torch.distributed.tensor`` (0.6 s of a
+    process's start; none exists before it is imported): ``lowmem.techniques.shards.is_sharded``,
+    which this layer may not import."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)

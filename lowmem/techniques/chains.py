@@ -67,7 +67,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -84,6 +83,7 @@ from lowmem.techniques.recomputation import (
     _RngState,
     scratch_running_stats,
 )
+from lowmem.techniques.shards import is_fsdp_module
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList)
 _RUNNERS = "_lowmem_block_chains"  # attribute of the root model: its ChainRunners
@@ -605,7 +605,7 @@ class _Runtime:
         """Run ``call`` again as it ran in forward (RNG, autocast; BatchNorm statistics to scratch);
         its output tensors, checked against the forward's the first time for an input shape."""
         block = call.block()
-        if isinstance(block, FSDPModule):
+        if is_fsdp_module(block):
             # Sharded by FSDP2 (trainer.parallel=fsdp): the recomputation calls the block's own forward,
             # past FSDP2's hooks, so its weights are gathered here (a no-op when FSDP2's pre-backward
             # hook has; its post-backward hook frees them again), and its compact sparse weights

@@ -46,7 +46,6 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from lowmem.kernels import cpu as cpu_kernels
 from lowmem.residual import (
@@ -70,6 +69,7 @@ from lowmem.techniques.recomputation import (
     _RngState,
     scratch_running_stats,
 )
+from lowmem.techniques.shards import is_fsdp_module
 
 STRATEGIES = ("none", "no_bn", "residual", "residual_star")  # the fixed patterns (`optimal`: lowmem.planning)
 _FP32_SLICE = 1 << 15  # elements of a 16-bit tensor widened to FP32 at a time when BN is recomputed
@@ -253,7 +253,7 @@ def run_segments(
         # gathered them (in each forward, the recomputation's too), and FSDP2 reduce-scatters the
         # gradients accumulated in those gathered parameters from its own hooks, which run inside
         # the recomputation's backward (``_SegmentBackprop.sharded``).
-        sharded = any(isinstance(block, FSDPModule) for block in part)
+        sharded = any(is_fsdp_module(block) for block in part)
         params = [p for block in part for p in block.parameters() if p.requires_grad]
         if sharded:  # a leaf standing for them, so that backward reaches the segment whatever its input
             params = [torch.zeros((), device=x.device, requires_grad=True)] if params else []

@@ -44,13 +44,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from lowmem.techniques.compact import COLUMNS_AGAIN, SHARED_COLUMNS, SHARED_VALUES
 from lowmem.techniques.shards import row_range
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
     from lowmem.techniques.compact import CompactWeights
 
 Runs = list[tuple[int, int]]  # [first, stop) ranges of CompactWeights.names gathered together
@@ -258,6 +259,8 @@ class UnitGathering:
         return parts
 
     def _sharded(self, piece: torch.Tensor) -> DTensor:
+        from torch.distributed.tensor import DTensor, Shard  # imported by FSDP2 before any unit is made
+
         return DTensor.from_local(
             piece, self.mesh, [Shard(0)], run_check=False, shape=torch.Size([self.numel]), stride=(1,)
         )

@@ -47,13 +47,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from lowmem import kernels
 from lowmem.kernels import quantized
 from lowmem.kernels.quantized import QState
 from lowmem.kernels.reference import _MASK32, SLICE, _pow2, adam_step_size, fmix32, moment_log2_scale, tensor_keys
-from lowmem.techniques.shards import full, gather_like, local, local_rows, moved_entries, write_full
+from lowmem.techniques.shards import full, gather_like, is_sharded, local, local_rows, moved_entries, write_full
 
 STATE_SEED_SALT = 0x2545F491  # quantized state's rounding keys: tensor_keys(seed ^ this, step, ...)
 
@@ -153,7 +152,7 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
         slices of blocks holding such a position are read back, zeroed there and quantized anew (a
         zero stays an exact zero); the others are left as they are. State in the parameter's dtype
         is zeroed in place."""
-        if isinstance(param, DTensor):  # sharded: this rank's rows of ``where``, its own blocks
+        if is_sharded(param):  # sharded: this rank's rows of ``where``, its own blocks
             self._reset_local_state(param, local_rows(where.to(local(param).device).view(param.shape), param))
             return
         where = where.to(param.device).reshape(-1)
@@ -210,7 +209,7 @@ class _LowPrecisionOptimizer(torch.optim.Optimizer):
         this rank's blocks."""
         state = self.state.get(param, {})
         for key in self._shaped_like(param):
-            if f"{key}_log2_scale" in state and isinstance(param, DTensor):  # FP16 moments: per-piece scales
+            if f"{key}_log2_scale" in state and is_sharded(param):  # FP16 moments: per-piece scales
                 self._remap_scaled_moment(param, key, source)
             else:
                 write_full(state[key], moved_entries(full(state[key]), source))

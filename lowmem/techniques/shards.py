@@ -6,30 +6,45 @@ the rows ``torch.chunk`` gives it (the last ranks may hold fewer, or none). lowm
 loss scaler and sparse rewiring work on these local pieces as plain tensors (in place: a local
 piece shares its ``DTensor``'s storage), and gather a whole tensor only where a decision needs
 every entry (a rewiring's global threshold). Without sharding each function is the identity.
+
+Nothing here imports ``torch.distributed.tensor`` or ``torch.distributed.fsdp`` (together 0.6 s of
+every process's start): no ``DTensor`` or FSDP2 module can exist before its package is imported, so
+``is_sharded`` and ``is_fsdp_module`` look for the class among the imported modules.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
-from torch.distributed.tensor import DTensor
 
 
-def is_sharded(tensor: torch.Tensor | None) -> bool:
-    return isinstance(tensor, DTensor)
+def is_sharded(tensor: object) -> bool:
+    """Whether ``tensor`` is a ``DTensor``."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def is_fsdp_module(module: object) -> bool:
+    """Whether ``module`` is sharded by FSDP2 (``fully_shard``)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``tensor`` (a view of the same storage), or ``tensor`` itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_sharded(tensor) else tensor
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """Every entry of ``tensor`` on every rank (a collective for a sharded tensor: call it on every
     rank), as a plain tensor; ``tensor`` itself when it is not sharded. int16 (compact positions),
     which gloo does not carry, travels as FP16 bits."""
-    if not isinstance(tensor, DTensor):
+    if not is_sharded(tensor):
         return tensor
     if tensor.dtype == torch.int16:
+        from torch.distributed.tensor import DTensor
+
         piece = tensor.to_local().view(torch.float16)
         bits = DTensor.from_local(
             piece, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride(), run_check=False
@@ -49,7 +64,7 @@ def row_range(rows: int, rank: int, world_size: int) -> tuple[int, int]:
 def local_rows(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The rows of ``whole`` (a plain tensor with every row) that this rank holds of ``like``
     (sharded along dimension 0 as FSDP2 shards): ``whole`` itself when ``like`` is not sharded."""
-    if not isinstance(like, DTensor):
+    if not is_sharded(like):
         return whole
     mesh = like.device_mesh
     start, stop = row_range(whole.shape[0], mesh.get_local_rank(), mesh.size())
@@ -70,8 +85,10 @@ def gather_like(piece: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Every rank's ``piece`` (this rank's rows of a tensor sharded as ``like``, e.g. quantized state
     read back) joined into the whole tensor, on every rank (a collective); ``piece`` when ``like`` is
     not sharded."""
-    if not isinstance(like, DTensor):
+    if not is_sharded(like):
         return piece
+    from torch.distributed.tensor import DTensor
+
     shape = (like.shape[0], *piece.shape[1:])
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(piece, like.device_mesh, like.placements, shape=shape, stride=stride).full_tensor()
