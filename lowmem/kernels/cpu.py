@@ -434,26 +434,20 @@ def norm_relu(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torc
         lib.lowmem_norm_relu(out.data_ptr(), x.data_ptr(), scale.data_ptr(), shift.data_ptr(), channels, plane,
                              DTYPE_CODES[x.dtype], first, count)  # fmt: skip
 
-    threads = torch.get_num_threads() if x.numel() >= PARALLEL_ELEMENTS and batch > 1 else 1
-    per = -(-batch // max(1, threads))
-    shards = [(first, min(per, batch - first)) for first in range(0, batch, per)]
-    if len(shards) == 1:
-        call(*shards[0])
-    else:
-        for future in [_pool(len(shards)).submit(call, *shard) for shard in shards]:
-            future.result()
+    _run_groups(call, batch, group_elements=channels * plane)  # the examples, split across threads
     return out
 
 
-def _group_shards(groups: int) -> list[tuple[int, int]]:
-    """Groups [0, groups) cut into up to ``torch.get_num_threads()`` (first, count) ranges."""
-    threads = torch.get_num_threads() if groups * 256 >= PARALLEL_ELEMENTS else 1
-    per = -(-groups // max(1, threads))
+def _group_shards(groups: int, group_elements: int = 256) -> list[tuple[int, int]]:
+    """Groups [0, groups) of ``group_elements`` each cut into up to ``torch.get_num_threads()``
+    (first, count) ranges: one range below ``PARALLEL_ELEMENTS`` in all."""
+    threads = torch.get_num_threads() if groups * group_elements >= PARALLEL_ELEMENTS else 1
+    per = max(1, -(-groups // max(1, threads)))  # no groups: no range
     return [(first, min(per, groups - first)) for first in range(0, groups, per)]
 
 
-def _run_groups(call: Callable[[int, int], None], groups: int) -> None:
-    shards = _group_shards(groups)
+def _run_groups(call: Callable[[int, int], None], groups: int, group_elements: int = 256) -> None:
+    shards = _group_shards(groups, group_elements)
     if len(shards) == 1:
         call(*shards[0])
         return

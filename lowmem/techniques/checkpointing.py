@@ -40,13 +40,13 @@ parameter or state-dict key, so it composes with precision conversion and sparsi
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowmem import kernels
 from lowmem.kernels import cpu as cpu_kernels
 from lowmem.residual import (
     plain_norm_relu_conv,
@@ -578,9 +578,10 @@ def _norm_relu_from_statistics(
     norm: nn.BatchNorm2d, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
 ) -> torch.Tensor:
     """``relu(_normalized_from_statistics(...))``: on a CPU with lowmem's C kernels, one pass over
-    ``x`` with no FP32 temporary (``lowmem.kernels.cpu.norm_relu``, the same bits); else torch's ops."""
+    ``x`` with no FP32 temporary (``lowmem.kernels.cpu.norm_relu``, the same bits); else (or with
+    ``LOWMEM_KERNELS=torch``) torch's ops."""
     scale, shift = _scale_and_shift(norm, mean, invstd)
-    if os.environ.get("LOWMEM_KERNELS", "auto") != "torch" and cpu_kernels.norm_relu_fits(x, scale, shift):
+    if kernels.backend(x.device) == "cpu" and cpu_kernels.norm_relu_fits(x, scale, shift):
         return cpu_kernels.norm_relu(x, scale, shift)
     return _normalized_from_statistics(norm, x, mean, invstd).relu_()
 
