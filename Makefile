@@ -21,12 +21,15 @@ demo: $(STAMP)
 demo-translation: $(STAMP)
 	$(PY) scripts/demo_translation.py
 
+# The tests in TEST_JOBS processes (pytest-xdist), one thread each on a 2-core machine (tests/conftest.py):
+# most tests are bound by Python, not arithmetic, so one process at a time leaves a core idle.
+TEST_JOBS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check lowmem recipes scripts tests
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist worksteal
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist worksteal -m "not slow"
 
 lint: $(STAMP)
 	$(PY) -m ruff check lowmem recipes scripts tests

@@ -3,8 +3,24 @@ import os
 import pytest
 import torch
 
-# Tests run on CPU with a fixed, small thread count: results must not depend on the machine.
-torch.set_num_threads(int(os.environ.get("LOWMEM_TEST_THREADS", "2")))
+
+def _threads() -> int:
+    """Threads per test process: LOWMEM_TEST_THREADS, else the CPUs this process may use shared among
+    pytest-xdist's workers (``make test`` runs one per CPU: one thread each), at most 2."""
+    if "LOWMEM_TEST_THREADS" in os.environ:
+        return int(os.environ["LOWMEM_TEST_THREADS"])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(2, cpus // workers))
+
+
+# Tests run on CPU with a fixed, small thread count: results must not depend on the machine. The runs
+# tests start in other processes (the CLI, torchrun) get the same count: a run resumed in this
+# process must compute what the interrupted one computed there, bit for bit (the summation order of
+# a convolution's gradient depends on the thread count).
+THREADS = _threads()
+torch.set_num_threads(THREADS)
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
 
 @pytest.fixture(autouse=True)
