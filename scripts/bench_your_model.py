@@ -11,9 +11,14 @@ of width 128 called in a loop with a causal mask), on CPU, batch 100 (images 32x
   framework itself costs nothing);
 - lowmem's full combination (density 0.3, BF16, microbatch 10, residual_star every 2): accounting,
   measured peak and step time, and its step time over FLOPs against lowmem's pure BF16 run (the
-  same precision without techniques; 1.00 = time grows exactly as the FLOPs of recomputation).
+  same precision without techniques; 1.00 = time grows exactly as the FLOPs of recomputation);
+- plain PyTorch FP32 again, its minibatch run as microbatches of 10 (the combination's): what
+  microbatching costs without any lowmem code. Models with large weights and small activations
+  (resnet18 on 32x32 images) pay for every weight once per microbatch, in each pass; that ratio is,
+  roughly, a floor under the combination's time/FLOPs, and the last column divides it out (1.00 = lowmem's
+  techniques cost what their FLOPs and plain microbatching explain).
 
-Step times are the median of ``--repeats`` steps after one warm-up step, alternating the four
+Step times are the median of ``--repeats`` steps after one warm-up step, alternating the five
 configurations so that machine noise falls on all alike. Writes a Markdown table (stdout, and
 ``--out`` when given) and, on stderr, what the combination's measured peak holds and where it happens.
 Run: ``.venv/bin/python scripts/bench_your_model.py`` (~3 min on 2 cores).
@@ -39,7 +44,8 @@ from lowmem.run.files import measured_on  # noqa: E402
 from tests.helpers import classification_loss, lm_loss, tiny_gpt  # noqa: E402
 
 MB = 1e6
-COMBINATION = ["sparsity.density=0.3", "precision=bf16", "microbatch.size=10",
+MICROBATCH = 10
+COMBINATION = ["sparsity.density=0.3", "precision=bf16", f"microbatch.size={MICROBATCH}",
                "checkpointing.strategy=residual_star", "checkpointing.every=2"]  # fmt: skip
 
 
@@ -67,6 +73,23 @@ def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     return step
 
 
+def plain_microbatched_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, batch, size: int
+) -> Callable:
+    """``plain_step`` with the batch run as microbatches of ``size`` examples, each loss weighted by
+    its share: what microbatching costs in plain PyTorch, without any lowmem code."""
+    total = batch[0].shape[0]
+    parts = list(zip(*(tensor.split(size) for tensor in batch), strict=True))
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for part in parts:
+            (loss_fn(model, part) * (part[0].shape[0] / total)).backward()
+        optimizer.step()
+
+    return step
+
+
 def timed(step: Callable[[], object]) -> float:
     started = time.perf_counter()
     step()
@@ -75,7 +98,7 @@ def timed(step: Callable[[], object]) -> float:
 
 def bench(name: str, make_model: Callable, batch: tuple, loss_fn: Callable, repeats: int) -> dict:
     """One model's row. Each measured peak is taken with only its own configuration alive (the CPU
-    tracker counts every live tensor), then all four are timed side by side."""
+    tracker counts every live tensor), then all five are timed side by side."""
 
     def fresh() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -97,8 +120,11 @@ def bench(name: str, make_model: Callable, batch: tuple, loss_fn: Callable, repe
     lowmem_plain = lowmem.prepare(fresh(), loss_fn, batch, overrides=["trainer.device=cpu"])
     pure = lowmem.prepare(fresh(), loss_fn, batch, overrides=["trainer.device=cpu", "precision=bf16"])
     combination = lowmem.prepare(fresh(), loss_fn, batch, overrides=["trainer.device=cpu", *COMBINATION])
+    microbatched, microbatched_optimizer = plain_setup()
     steps = {"plain": plain_step(model, optimizer, loss_fn, batch), "lowmem": lambda: lowmem_plain.step(batch),
-             "pure": lambda: pure.step(batch), "combination": lambda: combination.step(batch)}  # fmt: skip
+             "pure": lambda: pure.step(batch), "combination": lambda: combination.step(batch),
+             "plain_microbatched": plain_microbatched_step(microbatched, microbatched_optimizer, loss_fn, batch,
+                                                           MICROBATCH)}  # fmt: skip
     times: dict[str, list[float]] = {key: [] for key in steps}
     for step in steps.values():  # warm-up
         step()
@@ -120,6 +146,9 @@ def bench(name: str, make_model: Callable, batch: tuple, loss_fn: Callable, repe
         "combo_vs_plain_time": median["combination"] / median["plain"],
         # Against pure BF16 (same precision, no technique), over the FLOPs recomputation adds.
         "combo_time_per_flop": (median["combination"] / median["pure"]) / (combined["flops"] / accounted["flops"]),
+        # What microbatches alone cost in plain PyTorch FP32 (same FLOPs): the part of the combination's
+        # time/FLOPs that no implementation of the techniques can remove on this CPU.
+        "plain_microbatch_time": median["plain_microbatched"] / median["plain"],
         "plain_step_s": median["plain"],
     }
 
@@ -128,8 +157,9 @@ def table(rows: list[dict], batch: int) -> str:
     lines = [
         f"| model (batch {batch}, CPU) | params | plain PyTorch FP32 peak | lowmem FP32 accounted (activations) | "
         "combination accounted | combination peak | accounted ratio | peak ratio | step time lowmem / plain | "
-        "step time combination / plain | combination time/FLOPs vs pure BF16 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"step time combination / plain | combination time/FLOPs vs pure BF16 | plain PyTorch, microbatches of "
+        f"{MICROBATCH} / plain | combination time/FLOPs over plain microbatching's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -138,7 +168,8 @@ def table(rows: list[dict], batch: int) -> str:
             f"{r['combo_accounted'] / MB:.1f} MB | "
             f"{r['combo_peak'] / MB:.1f} MB | {r['fp32_accounted'] / r['combo_accounted']:.1f}x | "
             f"{r['plain_peak'] / r['combo_peak']:.1f}x | {r['lowmem_vs_plain_time']:.2f}x | "
-            f"{r['combo_vs_plain_time']:.2f}x | {r['combo_time_per_flop']:.2f} |"
+            f"{r['combo_vs_plain_time']:.2f}x | {r['combo_time_per_flop']:.2f} | {r['plain_microbatch_time']:.2f}x | "
+            f"{r['combo_time_per_flop'] / r['plain_microbatch_time']:.2f} |"
         )
     return "\n".join(lines)
 
