@@ -18,7 +18,10 @@ Rows: plain PyTorch FP32 (no lowmem code) with its minibatch of 100 run as micro
 10 and 4 (what small convolutions cost without any technique), then lowmem in 16 bits (BF16 on a
 CPU): pure 16-bit, true microbatches alone, and Table 3's rows 2-7. Each part is compared with the
 first row of its group (plain at 100; pure 16-bit), divided by the FLOPs ratio: 1.00 = that part
-grows exactly as the FLOPs.
+grows exactly as the FLOPs. Every row's step is built first, and the step times are taken
+round-robin, each repeat an untimed and a timed step of every row in turn (as ``bench_memory.py``
+does), so that a slowing or speeding machine moves every row alike; the rows' convolution shares
+and FLOPs are measured after.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/step_breakdown.py [--only SUBSTRING ...]
 """
@@ -26,19 +29,24 @@ grows exactly as the FLOPs.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from lowmem.config import compose
-from lowmem.profiler import count_flops
-from lowmem.run.files import measured_on
-from lowmem.trainer import build_trainer
-from recipes.wrn_cifar.model import WideResNet
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lowmem.config import compose  # noqa: E402
+from lowmem.profiler import count_flops  # noqa: E402
+from lowmem.run.files import measured_on  # noqa: E402
+from lowmem.trainer import build_trainer  # noqa: E402
+from recipes.wrn_cifar.model import WideResNet  # noqa: E402
+from scripts.bench_memory import median_seconds_round_robin  # noqa: E402
 
 BATCH = 100
 BASE = ["+recipe=wrn_cifar", "data=fake", "trainer.progress=none", f"data.batch_size={BATCH}", "trainer.device=cpu"]
@@ -78,16 +86,18 @@ def convolution_share(step) -> float:
     return total / 1e6 / wall
 
 
-def measure(step, repeats: int) -> dict:
-    step()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    seconds = statistics.median(times)
-    share = statistics.median(convolution_share(step) for _ in range(3))
-    return {"seconds": seconds, "convolutions": min(share, 1.0) * seconds, "flops": count_flops(step)}
+def measure(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict]:
+    """Per row: its median step time, taken round-robin with every other row's (machine noise falls
+    on all rows alike: ``bench_memory.median_seconds_round_robin``), the seconds of it in
+    convolutions (the median share of 3 profiled steps) and its FLOPs."""
+    seconds = median_seconds_round_robin(steps, repeats, torch.device("cpu"))
+    rows = {}
+    for name, step in steps.items():
+        share = statistics.median(convolution_share(step) for _ in range(3))
+        rows[name] = {"seconds": seconds[name], "convolutions": min(share, 1.0) * seconds[name],
+                      "flops": count_flops(step)}  # fmt: skip
+        print(name, rows[name], flush=True)
+    return rows
 
 
 def plain_step(microbatch: int):
@@ -136,21 +146,20 @@ def render(groups: dict[str, dict[str, dict]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", nargs="*", help="substrings of row names to run (each group's first row always runs)")
     args = parser.parse_args(argv)
     print(measured_on(), f"| {torch.get_num_threads()} threads", flush=True)
-    groups: dict[str, dict[str, dict]] = {"plain": {}, "lowmem": {}}
     plain = {f"plain PyTorch FP32, microbatches of {size}": size for size in (BATCH, 10, 4)}
+    steps = {"plain": {}, "lowmem": {}}
     for index, (name, size) in enumerate(plain.items()):
         if index == 0 or not args.only or any(s in name for s in args.only):
-            groups["plain"][name] = measure(plain_step(size), args.repeats)
-            print(name, groups["plain"][name], flush=True)
+            steps["plain"][name] = plain_step(size)
     for index, (name, overrides) in enumerate(lowmem_rows().items()):
         if index == 0 or not args.only or any(s in name for s in args.only):
-            gc.collect()
-            groups["lowmem"][name] = measure(lowmem_step(overrides), args.repeats)
-            print(name, groups["lowmem"][name], flush=True)
+            steps["lowmem"][name] = lowmem_step(overrides)
+    measured = measure({name: step for group in steps.values() for name, step in group.items()}, args.repeats)
+    groups = {group: {name: measured[name] for name in rows} for group, rows in steps.items()}
     print()
     print(render(groups))
 
