@@ -146,8 +146,8 @@ def bench(name: str, make_model: Callable, batch: tuple, loss_fn: Callable, repe
         "combo_vs_plain_time": median["combination"] / median["plain"],
         # Against pure BF16 (same precision, no technique), over the FLOPs recomputation adds.
         "combo_time_per_flop": (median["combination"] / median["pure"]) / (combined["flops"] / accounted["flops"]),
-        # What microbatches alone cost in plain PyTorch FP32 (same FLOPs): the part of the combination's
-        # time/FLOPs that no implementation of the techniques can remove on this CPU.
+        # What microbatches alone cost in plain PyTorch FP32 (same FLOPs): roughly the part of the
+        # combination's time/FLOPs that no implementation of the techniques can remove on this CPU.
         "plain_microbatch_time": median["plain_microbatched"] / median["plain"],
         "plain_step_s": median["plain"],
     }

@@ -6,7 +6,7 @@ import torch
 
 def _threads() -> int:
     """Threads per test process: LOWMEM_TEST_THREADS, else the CPUs this process may use shared among
-    pytest-xdist's workers (``make test`` runs one per CPU: one thread each), at most 2."""
+    pytest-xdist's workers (``make test`` runs 2: one thread each on 2 CPUs), at most 2."""
     if "LOWMEM_TEST_THREADS" in os.environ:
         return int(os.environ["LOWMEM_TEST_THREADS"])
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
