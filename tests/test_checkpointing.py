@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lowmem.residual import run_residual_blocks
@@ -187,6 +188,45 @@ def test_recomputing_bn_from_kept_statistics_gives_the_same_bits(wrn_data, strat
         apply_checkpointing(model, name, 2)
         F.cross_entropy(model(inputs).float(), labels).backward()
         results.append([p.grad for p in model.parameters()])
+    assert max_difference(*results) == 0.0
+
+
+class _NormStatistics(TorchDispatchMode):
+    """Counts the ops that compute a BatchNorm's batch statistics (its forward kernels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        self.calls += "batch_norm" in name and "backward" not in name
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strategy", ["no_bn", "residual_star"])
+def test_recomputations_reuse_the_forwards_batch_statistics(wrn_data, strategy, dtype):
+    """A checkpointed segment's recomputations (the block inputs without a graph, each block's graph,
+    the skipped last convolution's input in backward) normalize with the batch statistics its
+    forward computed: each BatchNorm computes them once per step, as without checkpointing, and the
+    gradients and running statistics are the same bits. (WRN-16-1: segments of two blocks.)"""
+    inputs, labels = wrn_data[0].to(dtype), wrn_data[1]
+    reference = WideResNet(depth=16, width=1)
+    for module in reference.modules():
+        if not isinstance(module, nn.BatchNorm2d):
+            for param in module.parameters(recurse=False):
+                param.data = param.data.to(dtype)
+    results, counted = [], []
+    for name in ("none", strategy):
+        model = copy.deepcopy(reference)
+        apply_checkpointing(model, name, 2)
+        with _NormStatistics() as statistics:
+            F.cross_entropy(model(inputs).float(), labels).backward()
+        counted.append(statistics.calls)
+        results.append([p.grad for p in model.parameters()] + list(model.buffers()))
+    assert counted[0] == sum(isinstance(m, nn.BatchNorm2d) for m in reference.modules())
+    assert counted[1] == counted[0]
     assert max_difference(*results) == 0.0
 
 

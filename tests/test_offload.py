@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from lowmem.config import ConfigError, compose
-from lowmem.planning.optimal import apply_optimal_checkpointing
-from lowmem.planning.schedule import BlockCosts, ChainCosts, cheapest_plan
+from lowmem.planning.optimal import AccountedSchedule, _preference, apply_optimal_checkpointing
+from lowmem.planning.schedule import BlockCosts, ChainCosts, cheapest_plan, exposed_transfer
 from lowmem.profiler import account_activations, profile_trainer
 from lowmem.techniques.compression import apply_compression
 from lowmem.techniques.offload import PREFETCH, apply_offload, exposed_transfer_flops
@@ -180,6 +180,23 @@ def test_the_planner_offloads_where_the_link_hides_the_copies():
     assert "offload" not in str(cheapest_plan(slow, 140))  # recomputing a block (+100) beats +500 of copies
     some = ChainCosts(tuple(offloadable_block(100, 5, 300, 60) for _ in range(4)), (4,), (0,), 0)
     assert cheapest_plan(some, 140).flops == 1200 + 3 * 60  # 60 per block offloaded, below 100 recomputing
+
+
+def test_accounted_schedules_are_preferred_with_their_transfers_counted():
+    """A real accounting counts arithmetic only; an offloaded block's copies cost the time the model
+    prices (``exposed_transfer``). A schedule that offloads over a slow link, with fewer FLOPs than
+    one that recomputes, must not be preferred for them."""
+    slow = ChainCosts(tuple(offloadable_block(100, 5, 300, 500) for _ in range(4)), (4,), (0,), 0)
+    offloading = cheapest_plan(slow, 135)  # below what recomputing alone reaches: one block offloaded
+    assert str(offloading) == "recursively:2 stored/offload:1 stored:1"
+    assert offloading.flops == 1500 + 500  # two blocks' rebuilds, one block's copies
+    assert exposed_transfer(slow, offloading.schedules) == 500
+    recomputing = cheapest_plan(slow, 140)
+    assert "offload" not in str(recomputing) and exposed_transfer(slow, recomputing.schedules) == 0
+    # Real accountings where the offloading schedule does less arithmetic: its copies still cost more.
+    cheap_but_slow = AccountedSchedule(offloading, 135, 1500, exposed_transfer(slow, offloading.schedules))
+    recomputed = AccountedSchedule(recomputing, 140, 1600, 0)
+    assert min(cheap_but_slow, recomputed, key=_preference) is recomputed
 
 
 def test_optimal_checkpointing_offloads_the_blocks_it_chooses_and_stays_exact():

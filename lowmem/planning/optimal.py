@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 from lowmem import distributed
 from lowmem.config import ConfigError
 from lowmem.planning.measure import FakePasses, OutsidePass, measure_chain, outside_pass
-from lowmem.planning.schedule import ChainCosts, Plan, cheapest_plan, describe, smallest_plan
+from lowmem.planning.schedule import ChainCosts, Plan, cheapest_plan, describe, exposed_transfer, smallest_plan
 from lowmem.profiler import MB
 from lowmem.profiler.report import replayed_activations
 from lowmem.profiler.step import distinct_microbatches
@@ -147,11 +147,14 @@ class OptimalCheckpointing:
 
 @dataclass(frozen=True)
 class AccountedSchedule:
-    """A schedule (with its modelled figures) and its real accounting: bytes, FLOPs."""
+    """A schedule (with its modelled figures) and its real accounting: bytes, FLOPs; ``exposed``: the
+    modelled FLOP-equivalents of its offloaded blocks' transfers (``schedule.exposed_transfer``),
+    which a real accounting's FLOPs do not count."""
 
     plan: Plan
     activation_bytes: int
     flops: int
+    exposed: int = 0
 
 
 class BudgetTooSmall(ConfigError):
@@ -322,7 +325,8 @@ class CheckpointPlacement:
         key = str(plan)
         if key not in self._accounted:
             accounted = self._accounted_figures(plan)
-            self._accounted[key] = AccountedSchedule(plan, accounted.activation_bytes, accounted.flops)
+            exposed = exposed_transfer(self.costs, plan.schedules)
+            self._accounted[key] = AccountedSchedule(plan, accounted.activation_bytes, accounted.flops, exposed)
         return self._accounted[key]
 
     def _accounted_figures(self, plan: Plan, above: int | None = None) -> Accounted:
@@ -333,7 +337,9 @@ class CheckpointPlacement:
 
 
 def _preference(accounted: AccountedSchedule) -> tuple[int, int]:
-    return accounted.flops, accounted.activation_bytes
+    # An offloaded block's transfer costs time its arithmetic does not show: a schedule that offloads
+    # over a slow link must not win on FLOPs alone.
+    return accounted.flops + accounted.exposed, accounted.activation_bytes
 
 
 def _agreed_across_ranks(placement: CheckpointPlacement, budget: int) -> AccountedSchedule:

@@ -318,6 +318,20 @@ def predict(costs: ChainCosts, schedules: Sequence[Sequence[Segment]]) -> tuple[
     return max(peak, costs.outside_peak + stored), costs.outside_flops + flops
 
 
+def exposed_transfer(costs: ChainCosts, schedules: Sequence[Sequence[Segment]]) -> int:
+    """The FLOP-equivalents of a schedule's offloaded blocks' transfers that their compute cannot
+    hide (the model's, ``BlockCosts.offloaded``): part of its modelled cost, never of a real
+    accounting's FLOPs, which count arithmetic only."""
+    position = exposed = 0
+    for segments in schedules:
+        for segment in _split_stored(segments):
+            if segment.offload:
+                block = costs.blocks[position]
+                exposed += block.offloaded[segment.recompute_norm][2] - block.flops
+            position += segment.blocks
+    return exposed
+
+
 def _split_stored(segments: Sequence[Segment]) -> Iterator[Segment]:
     """Stored segments one block at a time (the unit the model prices), others as they are."""
     for segment in segments:

@@ -18,7 +18,9 @@ Strategies (``checkpointing.strategy``, with ``checkpointing.every=m``):
   and holds them until the block that reads them is backpropagated; then, last block first, it
   recomputes each block's graph from its input, backpropagates it and drops it. Inside a block the
   first convolution's output is held, BN and ReLU outputs never (``no_bn``: backward recomputes
-  them on the fly, into one buffer, and applies the ReLU backward in place). A block that declares
+  them on the fly, into one buffer, and applies the ReLU backward in place). The recomputations
+  normalize with the batch statistics the segment's forward computed (plain BatchNorm2d on a CPU:
+  ``_NormReluConvCalls``), never computing them again. A block that declares
   ``residual_branch_ends_with_norm_relu_conv`` (its last norm-ReLU-conv output is only added to
   the shortcut) has that last convolution skipped when its graph is rebuilt for backprop: its
   output is never read, and its backward needs only its input.
@@ -276,12 +278,14 @@ class _CheckpointedSegment(torch.autograd.Function):
         ctx.rng, ctx.autocast = _RngState(x.device), _AutocastState.capture(x.device)
         ctx.save_for_backward(x, *tensors[:num_context_tensors])
         # How many norm-ReLU-conv triples each block computes: the last one's convolution can be
-        # skipped when the block's graph is rebuilt for backprop (see _NormReluConvCalls).
-        ctx.triples = []
+        # skipped when the block's graph is rebuilt for backprop (see _NormReluConvCalls). And each
+        # triple's batch statistics, which the recomputations reuse instead of computing them again.
+        ctx.triples, ctx.statistics = [], []
         for block in segment:
-            with _NormReluConvCalls() as calls:
+            with _NormReluConvCalls(statistics=[]) as calls:
                 x = block(x, *context)
             ctx.triples.append(calls.count)
+            ctx.statistics.append(calls.statistics)
         return x
 
     @staticmethod
@@ -313,7 +317,7 @@ class _SegmentBackprop:
     """
 
     def __init__(self, ctx, context: tuple, context_leaves: Sequence[torch.Tensor], needed: list[bool]) -> None:
-        self.blocks, self.rng, self.triples = ctx.segment, ctx.rng, ctx.triples
+        self.blocks, self.rng, self.triples, self.statistics = ctx.segment, ctx.rng, ctx.triples, ctx.statistics
         self.sharded = ctx.sharded  # FSDP2 blocks: parameter gradients accumulate where FSDP2 reads them
         self.context = context
         self.outer = [*context_leaves, *ctx.params]
@@ -330,7 +334,8 @@ class _SegmentBackprop:
         block_inputs, output_edges = [], []
         with self.rng.replayed(), torch.enable_grad():
             for index, block in enumerate(self.blocks):
-                output = block(x_alias, *self.context)
+                with _NormReluConvCalls(statistics=self.statistics[index], replay=True):
+                    output = block(x_alias, *self.context)
                 block_inputs.append(x_leaf)
                 output_edges.append(torch.autograd.graph.get_gradient_edge(output))
                 if index + 1 < len(self.blocks):
@@ -356,7 +361,7 @@ class _SegmentBackprop:
             for index, block in enumerate(self.blocks):
                 rng_states.append(_RngState(x.device))
                 if index + 1 < len(self.blocks):
-                    with torch.no_grad():
+                    with torch.no_grad(), _NormReluConvCalls(statistics=self.statistics[index], replay=True):
                         x = block(x, *self.context)
                     leaf, alias = _recomputation_input(x, requires_grad=x_leaf.requires_grad)
                     inputs.append((leaf, alias, _hold(leaf)))
@@ -365,7 +370,8 @@ class _SegmentBackprop:
             leaf, alias, token = inputs.pop()
             block = self.blocks[index]
             skipped = self.triples[index] - 1 if _branch_ends_with_norm_relu_conv(block) else None
-            with rng_states.pop().replayed(), torch.enable_grad(), _NormReluConvCalls(skip=skipped):
+            replayed = _NormReluConvCalls(skip=skipped, statistics=self.statistics[index], replay=True)
+            with rng_states.pop().replayed(), torch.enable_grad(), replayed:
                 output = block(alias, *self.context)
             edge = torch.autograd.graph.get_gradient_edge(output)
             del output, alias, token
@@ -419,12 +425,27 @@ def _branch_ends_with_norm_relu_conv(block: nn.Module) -> bool:
 class _NormReluConvCalls:
     """Counts the norm-ReLU-conv triples a block computes; with ``skip``, the triple of that index
     (0-based) saves its input but does not compute: its output is never read (it only reaches the
-    block's output, whose value a backprop-only recomputation drops)."""
+    block's output, whose value a backprop-only recomputation drops).
+
+    ``statistics``: per triple, the batch mean and inverse standard deviation its BatchNorm
+    computed, or None (a norm whose kernel the kept statistics do not reproduce: see
+    ``_keeps_batch_statistics``). A checkpointed segment's forward records them (``replay=False``:
+    each triple appends its own); its recomputations replay them (``replay=True``): the triple
+    normalizes its input, the same bits as the forward's, with them, as one pass fused with the ReLU,
+    instead of computing the statistics again, and leaves the running statistics alone (which a
+    recomputation sends to scratch copies anyway). Two floats per channel, as ``no_bn`` keeps.
+    """
 
     _active: _NormReluConvCalls | None = None
 
-    def __init__(self, skip: int | None = None) -> None:
+    def __init__(
+        self,
+        skip: int | None = None,
+        statistics: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+        replay: bool = False,
+    ) -> None:
         self.count, self.skip = 0, skip
+        self.statistics, self.replay = statistics, replay
 
     def __enter__(self) -> _NormReluConvCalls:
         self._outer, _NormReluConvCalls._active = _NormReluConvCalls._active, self
@@ -442,6 +463,20 @@ class _NormReluConvCalls:
         calls.count += 1
         return calls.count - 1 == calls.skip
 
+    @classmethod
+    def recording(cls) -> list | None:
+        """The list the current triple's statistics go to (a segment's forward), or None."""
+        calls = cls._active
+        return calls.statistics if calls is not None and not calls.replay else None
+
+    @classmethod
+    def replayed(cls) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The current (last counted) triple's statistics from its segment's forward, or None."""
+        calls = cls._active
+        if calls is None or not calls.replay or calls.statistics is None or calls.count > len(calls.statistics):
+            return None
+        return calls.statistics[calls.count - 1]
+
 
 # --- no_bn: recompute BN-ReLU, never the convolution --------------------------------------------
 
@@ -454,7 +489,7 @@ def recomputed_norm_relu_conv(norm: nn.Module, conv: nn.Module, x: torch.Tensor)
     """
     if not torch.is_grad_enabled():
         _NormReluConvCalls.next_is_skipped()  # counted, never skipped: the output is the result
-        return plain_norm_relu_conv(norm, conv, x)
+        return _norm_relu_conv_without_graph(norm, conv, x)
     if not isinstance(conv, nn.Conv2d) or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
         raise ValueError(
             f"checkpointing.strategy=no_bn/residual_star recompute BN-ReLU before an nn.Conv2d with numeric "
@@ -466,6 +501,24 @@ def recomputed_norm_relu_conv(norm: nn.Module, conv: nn.Module, x: torch.Tensor)
     # dense weight is built where it is used and dropped: lowmem.techniques.compact).
     weight = trained_weight(conv)
     return _NormReluConvRecomputed.apply(norm, conv, output_read, x, weight, conv.bias, *norm_params)
+
+
+def _norm_relu_conv_without_graph(norm: nn.Module, conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``plain_norm_relu_conv`` without autograd; in a checkpointed segment's forward it records the
+    norm's batch statistics, in its recomputations it reuses them (``_NormReluConvCalls``)."""
+    recording = _NormReluConvCalls.recording()
+    keeps = _keeps_batch_statistics(norm, x)
+    if recording is not None:
+        if not keeps:
+            recording.append(None)
+            return plain_norm_relu_conv(norm, conv, x)
+        normalized, mean, invstd = _batch_norm_with_statistics(norm, x)  # the running-statistics update
+        recording.append((mean, invstd))
+        return conv(relu_of_norm(normalized, x))
+    kept = _NormReluConvCalls.replayed() if keeps else None
+    if kept is None:
+        return plain_norm_relu_conv(norm, conv, x)
+    return conv(_norm_relu_from_statistics(norm, x, *kept))
 
 
 class _NormReluConvRecomputed(torch.autograd.Function):
@@ -485,10 +538,19 @@ class _NormReluConvRecomputed(torch.autograd.Function):
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.autocast = _AutocastState.capture(x.device)
         ctx.index = index_of(conv)  # a compact weight's positions (sharded training binds them for the forward)
+        # In a recomputation, the statistics the segment's forward computed (_NormReluConvCalls).
+        kept = _NormReluConvCalls.replayed() if _keeps_batch_statistics(norm, x) else None
+        ctx.kept = None
         if not output_read:  # a recomputation that needs this node, not its value: a broadcast zero
             ctx.save_for_backward(x, weight)
+            # Not saved again: the segment holds them (and its accounting counts what it saves).
+            ctx.kept = kept
             return x.new_zeros((), dtype=_conv_dtype(x, weight)).expand(_conv_output_shape(conv, x))
         trained, weight = weight, dense_weight(conv)
+        if kept is not None:  # a recomputation: the segment's forward computed the statistics
+            ctx.save_for_backward(x, trained, *kept)
+            activation = _norm_relu_from_statistics(norm, x, *kept)
+            return F.conv2d(activation, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
         # Forward runs the norm once: this is the one running-statistics update.
         if _keeps_batch_statistics(norm, x):
             normalized, mean, invstd = _batch_norm_with_statistics(norm, x)
@@ -502,6 +564,7 @@ class _NormReluConvRecomputed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         saved_x, trained, *statistics = ctx.saved_tensors
+        statistics = statistics or list(ctx.kept or ())
         norm, conv = ctx.norm, ctx.conv
         normalized_by = None  # the recomputed norm's graph (generic path)
         if statistics:
