@@ -170,6 +170,16 @@ def test_autocast_recomputation_matches(wrn_data):
     assert max_difference(*results) == 0.0
 
 
+def wrn_with_fp32_norms(depth: int, dtype: torch.dtype) -> WideResNet:
+    """WRN-depth-1 with every weight but the BatchNorms' in ``dtype`` (pure 16-bit training's layout)."""
+    model = WideResNet(depth=depth, width=1)
+    for module in model.modules():
+        if not isinstance(module, nn.BatchNorm2d):
+            for param in module.parameters(recurse=False):
+                param.data = param.data.to(dtype)
+    return model
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("strategy", ["no_bn", "residual_star"])
 def test_recomputing_bn_from_kept_statistics_gives_the_same_bits(wrn_data, strategy, dtype):
@@ -177,11 +187,7 @@ def test_recomputing_bn_from_kept_statistics_gives_the_same_bits(wrn_data, strat
     rounding and BN's backward kernel is called directly: the gradients are autograd's bits, in
     FP32 and in 16 bits with FP32 BatchNorm (pure BF16 training)."""
     inputs, labels = wrn_data[0].to(dtype), wrn_data[1]
-    reference = WideResNet(depth=10, width=1)
-    for module in reference.modules():
-        if not isinstance(module, nn.BatchNorm2d):
-            for param in module.parameters(recurse=False):
-                param.data = param.data.to(dtype)
+    reference = wrn_with_fp32_norms(10, dtype)
     results = []
     for name in ("none", strategy):
         model = copy.deepcopy(reference)
@@ -212,11 +218,7 @@ def test_recomputations_reuse_the_forwards_batch_statistics(wrn_data, strategy, 
     forward computed: each BatchNorm computes them once per step, as without checkpointing, and the
     gradients and running statistics are the same bits. (WRN-16-1: segments of two blocks.)"""
     inputs, labels = wrn_data[0].to(dtype), wrn_data[1]
-    reference = WideResNet(depth=16, width=1)
-    for module in reference.modules():
-        if not isinstance(module, nn.BatchNorm2d):
-            for param in module.parameters(recurse=False):
-                param.data = param.data.to(dtype)
+    reference = wrn_with_fp32_norms(16, dtype)
     results, counted = [], []
     for name in ("none", strategy):
         model = copy.deepcopy(reference)

@@ -539,7 +539,8 @@ class _NormReluConvRecomputed(torch.autograd.Function):
         ctx.autocast = _AutocastState.capture(x.device)
         ctx.index = index_of(conv)  # a compact weight's positions (sharded training binds them for the forward)
         # In a recomputation, the statistics the segment's forward computed (_NormReluConvCalls).
-        kept = _NormReluConvCalls.replayed() if _keeps_batch_statistics(norm, x) else None
+        keeps = _keeps_batch_statistics(norm, x)
+        kept = _NormReluConvCalls.replayed() if keeps else None
         ctx.kept = None
         if not output_read:  # a recomputation that needs this node, not its value: a broadcast zero
             ctx.save_for_backward(x, weight)
@@ -552,7 +553,7 @@ class _NormReluConvRecomputed(torch.autograd.Function):
             activation = _norm_relu_from_statistics(norm, x, *kept)
             return F.conv2d(activation, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
         # Forward runs the norm once: this is the one running-statistics update.
-        if _keeps_batch_statistics(norm, x):
+        if keeps:
             normalized, mean, invstd = _batch_norm_with_statistics(norm, x)
             ctx.save_for_backward(x, trained, mean, invstd)
         else:
