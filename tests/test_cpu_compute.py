@@ -249,31 +249,32 @@ def test_auto_keeps_native_only_where_it_clearly_wins():
     assert limits == dict.fromkeys(KINDS, pytest.approx(1.0 / NATIVE_MUST_WIN))
 
 
-def _scripted_probe(monkeypatch, run_seconds: list[float]) -> list[float]:
-    """``probe_seconds`` with a no-op probe whose runs take ``run_seconds`` (the warm-up first) on a
-    fake clock; returns the list of runs not yet taken."""
+def _scripted_clock(run_seconds: list[float]):
+    """A clock under which runs take ``run_seconds`` in turn (the warm-up first), and the list of
+    runs not yet taken."""
     left = list(run_seconds)
-    clock = {"now": 0.0, "started": False}
+    state = {"now": 0.0, "started": False}
 
-    def perf_counter():
-        if clock["started"]:  # a run's end: it took the next scripted time
-            clock["now"] += left.pop(0)
-        clock["started"] = not clock["started"]
-        return clock["now"]
+    def clock() -> float:
+        if state["started"]:  # a run's end: it took the next scripted time
+            state["now"] += left.pop(0)
+        state["started"] = not state["started"]
+        return state["now"]
 
-    monkeypatch.setattr(cpu_compute, "_probe_work", lambda kind, dtype: lambda: None)
-    monkeypatch.setattr(cpu_compute.time, "perf_counter", perf_counter)
-    return left
+    return clock, left
 
 
 def test_one_slow_native_run_does_not_decide_the_kind(monkeypatch):
+    monkeypatch.setattr(cpu_compute, "_probe_work", lambda kind, dtype: lambda: None)
     # Bar 1.0: one run slowed 2x by the machine is dropped, the fastest of the five counts.
-    left = _scripted_probe(monkeypatch, [9.0, 0.6, 2.0, 0.6, 0.6, 0.6])
-    assert cpu_compute.probe_seconds("convolution", torch.bfloat16, False, limit=1.0) == pytest.approx(0.6)
+    clock, left = _scripted_clock([9.0, 0.6, 2.0, 0.6, 0.6, 0.6])
+    seconds = cpu_compute.probe_seconds("convolution", torch.bfloat16, False, limit=1.0, clock=clock)
+    assert seconds == pytest.approx(0.6)
     assert left == []
     # A reference kernel, far over the bar: timing stops at its first timed run.
-    left = _scripted_probe(monkeypatch, [40.0, 40.0, 40.0, 40.0, 40.0, 40.0])
-    assert cpu_compute.probe_seconds("convolution", torch.bfloat16, False, limit=1.0) == pytest.approx(40.0)
+    clock, left = _scripted_clock([40.0] * 6)
+    seconds = cpu_compute.probe_seconds("convolution", torch.bfloat16, False, limit=1.0, clock=clock)
+    assert seconds == pytest.approx(40.0)
     assert len(left) == 4
 
 

@@ -531,20 +531,27 @@ def _probe_work(kind: str, dtype: torch.dtype) -> Callable[[], object]:
     )
 
 
-def probe_seconds(kind: str, dtype: torch.dtype, fp32: bool, limit: float | None = None, repeats: int = 5) -> float:
+def probe_seconds(
+    kind: str,
+    dtype: torch.dtype,
+    fp32: bool,
+    limit: float | None = None,
+    repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """The fastest of ``repeats`` runs (after one warm-up: first runs pay one-time set-up) of
     ``kind``'s probe in ``dtype``, natively or under ``Fp32Arithmetic``; the time of the first
     timed run that exceeds ``ABANDON_OVER_BAR`` times ``limit``, as soon as one does (a reference
-    kernel, which need not be timed again)."""
+    kernel, which need not be timed again). ``clock``: seconds, for the runs' start and end."""
     work = _probe_work(kind, dtype)
     context = (lambda: Fp32Arithmetic({kind})) if fp32 else contextlib.nullcontext
     best = float("inf")
     with torch.no_grad():
         for attempt in range(repeats + 1):
             with context():
-                started = time.perf_counter()
+                started = clock()
                 work()
-                elapsed = time.perf_counter() - started
+                elapsed = clock() - started
             if attempt:
                 if limit is not None and elapsed > ABANDON_OVER_BAR * limit:
                     return elapsed
