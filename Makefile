@@ -50,6 +50,7 @@ gpu-report: $(if $(filter command line,$(origin PY)),,$(STAMP))
 
 bench: $(STAMP)
 	$(PY) scripts/bench_data.py
+	$(PY) scripts/bench_evaluation.py
 	$(PY) scripts/bench_memory.py
 	$(PY) scripts/step_breakdown.py
 	$(PY) scripts/table4_memory.py

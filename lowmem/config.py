@@ -65,8 +65,8 @@ class DataConfig:
         100,
         "Examples (tokens) per evaluation batch (`dc_iwslt` sets 4000); never more than `microbatch.size` when "
         "microbatching is on, so evaluation (and beam search) needs no more memory than training. 100, not more: "
-        "on a CPU, WRN-28-2's forward over 500 images at once ran 1.6x slower than in batches of 100 "
-        "(activations of 65 MB outgrow the caches and are mapped afresh each time).",
+        "on a CPU, WRN-28-2's evaluation of 500 images at once ran 1.5-1.8x slower than in batches of 100 "
+        "(activations of 65 MB outgrow the caches and are mapped afresh each time; `scripts/bench_evaluation.py`).",
     )
     device: str = knob(
         "auto",
