@@ -59,6 +59,7 @@ block and input shape:
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -84,6 +85,12 @@ from lowmem.techniques.recomputation import (
     scratch_running_stats,
 )
 from lowmem.techniques.shards import is_fsdp_module
+from lowmem.techniques.side_outputs import (
+    ForwardWatch,
+    RecomputeCollect,
+    SideOutputMismatch,
+    SideOutputRefused,
+)
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList)
 _RUNNERS = "_lowmem_block_chains"  # attribute of the root model: its ChainRunners
@@ -358,6 +365,18 @@ class _ChainedForward:
         self.runner, self.index, self.own = runner, index, own
         self.arguments_checked: set[tuple] = set()
         self.recomputation_checked: set[tuple] = set()
+        self.first_parameter = _first_parameter(own if own is not None else type(runner.blocks[index]).forward,
+                                                bound=own is not None)
+
+    def positional(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call with its chained input first: a block called with keyword arguments only
+        (diffusers' ``down_block(hidden_states=h, temb=emb)``) has the keyword of its forward's first
+        parameter moved to the front, which binds it to the same parameter."""
+        name = self.first_parameter
+        if args or name is None or name not in kwargs:
+            return args, kwargs
+        rest = dict(kwargs)
+        return (rest.pop(name),), rest
 
     def plain(self, *args, **kwargs):
         block = self.runner.blocks[self.index]
@@ -370,6 +389,18 @@ class _ChainedForward:
 
     def __call__(self, *args, **kwargs):
         return self.runner.call(self.index, args, kwargs)
+
+
+def _first_parameter(forward: Callable, bound: bool) -> str | None:
+    """The name of ``forward``'s first parameter after ``self`` if it may be passed by keyword."""
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    parameters = parameters if bound else parameters[1:]
+    if not parameters or parameters[0].kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD,):
+        return None
+    return parameters[0].name
 
 
 class _LayerRuns:
@@ -436,6 +467,7 @@ class ChainRunner:
 
     def call(self, index: int, args: tuple, kwargs: dict) -> Any:
         forward = self.forwards[index]
+        args, kwargs = forward.positional(args, kwargs)
         if self.observer is not None:
             return self.observer(self, index, args, kwargs)
         x = args[0] if args else None
@@ -461,6 +493,9 @@ class ChainRunner:
         context = _BlockCall.tensors(args[1:], kwargs)
         with compressed_saves(None):  # recomputation starts from the exact input
             tensors = _ChainedBlock.apply(runtime, call, x, call.num_context, *context, *params)
+        # After the block's own outputs come its side outputs (lowmem.techniques.side_outputs): the
+        # autograd node connected them where the block left them; the caller does not see them here.
+        tensors = tensors[: len(tensors) - len(call.side_indices)]
         self._last = _Last(index, number, weakref.ref(tensors[0]), tensors[0]._version, runtime)
         return call.rebuild_output(tensors)
 
@@ -485,6 +520,10 @@ class _BlockCall:
         self.output_is_tensor: list[bool] = []  # per leaf of the output
         self.output_skeleton: list = []  # its non-tensor leaves (None where a tensor is)
         self.fingerprint: OutputFingerprint | None = None
+        # The tensors the block let out other than by its output (lowmem.techniques.side_outputs):
+        # their op indices in its forward, and their shapes and dtypes.
+        self.side_indices: list[int] = []
+        self.side_layout: list[tuple[tuple[int, ...], torch.dtype]] = []
         # Recomputation must give the forward's bits where kernels are deterministic.
         self.bitwise = x.device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
 
@@ -502,6 +541,39 @@ class _BlockCall:
     def run(self, x: torch.Tensor, context: Sequence[torch.Tensor]) -> Any:
         args, kwargs = self.arguments(context)
         return self.forward.plain(x, *args, **kwargs)
+
+    def run_watched(self, run: Callable, x: torch.Tensor, context: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Forward: ``run(self, x, context)``'s output tensors, then the block's side outputs (every
+        tensor that needs a gradient and leaves the block another way), whose op indices are kept
+        for the recomputation to find them again."""
+        watch = ForwardWatch()
+        with watch:
+            output = self.output_tensors(run(self, x, context))
+        try:
+            side = watch.escaped(output)
+        except SideOutputRefused as refused:
+            raise ValueError(
+                f"checkpointing: block {self.name()} ({type(self.block()).__name__}) {refused}, or leave it out of "
+                "the checkpointed blocks with checkpointing.blocks=..."
+            ) from None
+        self.side_indices = [index for index, _ in side]
+        self.side_layout = [(tuple(t.shape), t.dtype) for _, t in side]
+        return [*output, *(t for _, t in side)]
+
+    def run_collecting(self, x: torch.Tensor, context: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Recomputation: the output tensors, then the recomputed side outputs (found by op index)."""
+        if not self.side_indices:
+            return self.output_tensors(self.run(x, context))
+        collect = RecomputeCollect(self.side_indices)
+        with collect:
+            output = self.output_tensors(self.run(x, context))
+        try:
+            return [*output, *collect.collected(self.side_indices, self.side_layout)]
+        except SideOutputMismatch as mismatch:
+            raise RecomputationMismatch(
+                f"checkpointing: block {self.name()} ({type(self.block()).__name__}) recomputed in backward differs "
+                f"from its forward ({mismatch}); leave it out of the checkpointed blocks with checkpointing.blocks=..."
+            ) from None
 
     def output_tensors(self, output: Any) -> list[torch.Tensor]:
         """The tensors of the block's ``output`` (a tensor, or a tuple, list, dict or ModelOutput of
@@ -603,7 +675,8 @@ class _Runtime:
 
     def recompute(self, call: _BlockCall, x: torch.Tensor, context: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run ``call`` again as it ran in forward (RNG, autocast; BatchNorm statistics to scratch);
-        its output tensors, checked against the forward's the first time for an input shape."""
+        its output tensors and side outputs (the autograd node's outputs), checked against the
+        forward's the first time for an input shape."""
         block = call.block()
         if is_fsdp_module(block):
             # Sharded by FSDP2 (trainer.parallel=fsdp): the recomputation calls the block's own forward,
@@ -617,7 +690,7 @@ class _Runtime:
             call.autocast.restore(),
             scratch_running_stats(block.modules()),
         ):
-            tensors = call.output_tensors(call.run(x, context))
+            tensors = call.run_collecting(x, context)
         if gathered:
             self.gathered[call.position] = gathered
         call.check_recomputation(tensors)
@@ -674,7 +747,7 @@ class _ChainedBlock(torch.autograd.Function):
         versions = [t._version for t in (x, *context)]
         check_arguments = call.shape not in call.forward.arguments_checked
         run = _run_checking_arguments if check_arguments else _BlockCall.run
-        output = call.output_tensors(run(call, x, context))
+        output = call.run_watched(run, x, context)
         if [t._version for t in (x, *context)] != versions:
             raise ValueError(
                 f"checkpointing: block {call.name()} ({type(call.block()).__name__}) changes its input in place, "

@@ -72,6 +72,13 @@ from lowmem.techniques.recomputation import (
     scratch_running_stats,
 )
 from lowmem.techniques.shards import is_fsdp_module
+from lowmem.techniques.side_outputs import (
+    ForwardWatch,
+    RecomputeCollect,
+    SideOutputMismatch,
+    SideOutputRefused,
+    one_op,
+)
 
 STRATEGIES = ("none", "no_bn", "residual", "residual_star")  # the fixed patterns (`optimal`: lowmem.planning)
 _FP32_SLICE = 1 << 15  # elements of a 16-bit tensor widened to FP32 at a time when BN is recomputed
@@ -261,7 +268,9 @@ def run_segments(
             params = [torch.zeros((), device=x.device, requires_grad=True)] if params else []
         recursive = segment.backprop == "recursively"
         with compressed_saves(None):  # recomputation starts from the exact input
-            x = _CheckpointedSegment.apply(
+            # Its side outputs (lowmem.techniques.side_outputs) come after x: the autograd node
+            # connected them where the blocks left them.
+            x, *_ = _CheckpointedSegment.apply(
                 part, context, is_tensor, (recursive, sharded), x, len(context_tensors), *context_tensors, *params
             )
     return x
@@ -281,15 +290,35 @@ class _CheckpointedSegment(torch.autograd.Function):
         # skipped when the block's graph is rebuilt for backprop (see _NormReluConvCalls). And each
         # triple's batch statistics, which the recomputations reuse instead of computing them again.
         ctx.triples, ctx.statistics = [], []
+        # Every tensor a block lets out other than by its output is found once the whole segment
+        # has run (a block output stored elsewhere, not only passed on, is one too) and returned
+        # after x: per block, its op indices and layout, for the recomputation to find it again.
+        ctx.set_materialize_grads(False)  # a side output nobody used has no gradient
+        watches, marked = [], {}
         for block in segment:
-            with _NormReluConvCalls(statistics=[]) as calls:
+            watch = ForwardWatch(marked)  # each block reads what the one before it made
+            with _NormReluConvCalls(statistics=[]) as calls, watch:
                 x = block(x, *context)
             ctx.triples.append(calls.count)
             ctx.statistics.append(calls.statistics)
-        return x
+            watches.append(watch)
+        ctx.side = []
+        side_tensors = []
+        for block, watch in zip(segment, watches, strict=True):
+            try:
+                side = watch.escaped([x])
+            except SideOutputRefused as refused:
+                raise ValueError(
+                    f"checkpointing: block {type(block).__name__} {refused}, or use checkpointing.strategy=none"
+                ) from None
+            ctx.side.append(([index for index, _ in side], [(tuple(t.shape), t.dtype) for _, t in side]))
+            side_tensors.extend(t for _, t in side)
+        return (x, *side_tensors)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, *side_grads):
+        if grad_output is None:  # only a side output reaches the loss
+            grad_output = torch.zeros_like(ctx.saved_tensors[0])
         leaves, aliases = zip(*(_recomputation_input(t) for t in ctx.saved_tensors), strict=True)
         remaining = iter(aliases[1:])
         context = tuple(
@@ -297,7 +326,7 @@ class _CheckpointedSegment(torch.autograd.Function):
         )
         # needs_input_grad covers (segment, context, is_tensor, recursive, x, num_context_tensors, *tensors).
         needed = [ctx.needs_input_grad[4]] + list(ctx.needs_input_grad[6:])
-        segment = _SegmentBackprop(ctx, context, leaves[1:], needed)
+        segment = _SegmentBackprop(ctx, context, leaves[1:], needed, side_grads)
         with ctx.autocast.restore(), scratch_running_stats(m for block in ctx.segment for m in block.modules()):
             if ctx.recursive:
                 grad = segment.recursively(leaves[0], aliases[0], grad_output)
@@ -316,8 +345,13 @@ class _SegmentBackprop:
     never a block's output for its own sake (backward starts from the output's gradient edge).
     """
 
-    def __init__(self, ctx, context: tuple, context_leaves: Sequence[torch.Tensor], needed: list[bool]) -> None:
+    def __init__(
+        self, ctx, context: tuple, context_leaves: Sequence[torch.Tensor], needed: list[bool], side_grads: Sequence
+    ) -> None:
         self.blocks, self.rng, self.triples, self.statistics = ctx.segment, ctx.rng, ctx.triples, ctx.statistics
+        # Per block: its side outputs' op indices and layouts, and the gradients they received.
+        grads = iter(side_grads)
+        self.side = [(indices, layout, [next(grads) for _ in indices]) for indices, layout in ctx.side]
         self.sharded = ctx.sharded  # FSDP2 blocks: parameter gradients accumulate where FSDP2 reads them
         self.context = context
         self.outer = [*context_leaves, *ctx.params]
@@ -333,11 +367,11 @@ class _SegmentBackprop:
         """
         block_inputs, output_edges = [], []
         with self.rng.replayed(), torch.enable_grad():
-            for index, block in enumerate(self.blocks):
+            for index in range(len(self.blocks)):
                 with _NormReluConvCalls(statistics=self.statistics[index], replay=True):
-                    output = block(x_alias, *self.context)
+                    output, side_edges = self._recompute(index, x_alias)
                 block_inputs.append(x_leaf)
-                output_edges.append(torch.autograd.graph.get_gradient_edge(output))
+                output_edges.append((torch.autograd.graph.get_gradient_edge(output), side_edges))
                 if index + 1 < len(self.blocks):
                     x_leaf, x_alias = _recomputation_input(output)
                 del output
@@ -369,28 +403,54 @@ class _SegmentBackprop:
         for index in range(len(self.blocks) - 1, -1, -1):
             leaf, alias, token = inputs.pop()
             block = self.blocks[index]
-            skipped = self.triples[index] - 1 if _branch_ends_with_norm_relu_conv(block) else None
+            # The last convolution's output is not computed when only the block output reads it
+            # (not when a side output may).
+            skip = _branch_ends_with_norm_relu_conv(block) and not self.side[index][0]
+            skipped = self.triples[index] - 1 if skip else None
             replayed = _NormReluConvCalls(skip=skipped, statistics=self.statistics[index], replay=True)
             with rng_states.pop().replayed(), torch.enable_grad(), replayed:
-                output = block(alias, *self.context)
-            edge = torch.autograd.graph.get_gradient_edge(output)
+                output, side_edges = self._recompute(index, alias)
+            edges = (torch.autograd.graph.get_gradient_edge(output), side_edges)
             del output, alias, token
-            grad = self._backprop_block(index, edge, leaf, grad)
+            grad = self._backprop_block(index, edges, leaf, grad)
             del leaf
         return grad
 
+    def _recompute(self, index: int, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Block ``index`` run again on ``x``: its output, and its side outputs' gradient edges
+        (found by op index; None where a side output has no graph)."""
+        indices, layout, _ = self.side[index]
+        block = self.blocks[index]
+        if not indices:
+            return block(x, *self.context), []
+        with RecomputeCollect(indices) as collect:
+            output = block(x, *self.context)
+        try:
+            side = collect.collected(indices, layout)
+        except SideOutputMismatch as mismatch:
+            raise SideOutputMismatch(
+                f"checkpointing: block {type(block).__name__} recomputed in backward differs from its forward "
+                f"({mismatch}); use checkpointing.strategy=none for this model"
+            ) from None
+        return output, [torch.autograd.graph.get_gradient_edge(t) if t.requires_grad else None for t in side]
+
     def _backprop_block(
-        self, index: int, edge, block_input: torch.Tensor, grad: torch.Tensor
+        self, index: int, edges: tuple, block_input: torch.Tensor, grad: torch.Tensor
     ) -> torch.Tensor | None:
-        """Backprop block ``index`` from its output's gradient edge; the gradient of its input."""
+        """Backprop block ``index`` from its output's gradient edge and its side outputs' (``edges``);
+        the gradient of its input."""
         need_input = index > 0 or self.need_segment_input
         wanted = ([block_input] if need_input else []) + [
             t for t, need in zip(self.outer, self.outer_needed, strict=True) if need
         ]
+        output_edge, side_edges = edges
+        side_grads = self.side[index][2]
+        flowing = [(e, g) for e, g in zip(side_edges, side_grads, strict=True) if e is not None and g is not None]
+        edge, grad = [output_edge, *(e for e, _ in flowing)], [grad, *(g for _, g in flowing)]
         if self.sharded:
             grads = _backward_into_gathered_parameters(edge, grad, wanted)
         else:
-            grads = list(torch.autograd.grad([edge], wanted, [grad], allow_unused=True)) if wanted else []
+            grads = list(torch.autograd.grad(edge, wanted, grad, allow_unused=True)) if wanted else []
         grad_input = grads.pop(0) if need_input else None
         if index > 0 and grad_input is None:  # a block that ignores its input
             grad_input = torch.zeros_like(block_input)
@@ -404,14 +464,14 @@ class _SegmentBackprop:
         return grad_input
 
 
-def _backward_into_gathered_parameters(edge, grad: torch.Tensor, wanted: list[torch.Tensor]) -> list:
+def _backward_into_gathered_parameters(edge: list, grad: list, wanted: list[torch.Tensor]) -> list:
     """Backprop a block of FSDP2-sharded blocks from its output's gradient ``edge``: the gradients of
     its parameters accumulate in the gathered parameters' ``.grad``, from which FSDP2's hooks (run
     during this backward) reduce-scatter them; those of ``wanted`` (fresh leaves: the block's input
     and the context, made for this recomputation) are returned."""
     for leaf in wanted:
         leaf.grad = None
-    torch.autograd.backward([edge], [grad])
+    torch.autograd.backward(edge, grad)
     grads = [leaf.grad for leaf in wanted]
     for leaf in wanted:
         leaf.grad = None
@@ -489,7 +549,8 @@ def recomputed_norm_relu_conv(norm: nn.Module, conv: nn.Module, x: torch.Tensor)
     """
     if not torch.is_grad_enabled():
         _NormReluConvCalls.next_is_skipped()  # counted, never skipped: the output is the result
-        return _norm_relu_conv_without_graph(norm, conv, x)
+        return one_op(lambda: _norm_relu_conv_without_graph(norm, conv, x), x, *conv.parameters(),
+                      *norm.parameters())
     if not isinstance(conv, nn.Conv2d) or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
         raise ValueError(
             f"checkpointing.strategy=no_bn/residual_star recompute BN-ReLU before an nn.Conv2d with numeric "
@@ -500,7 +561,9 @@ def recomputed_norm_relu_conv(norm: nn.Module, conv: nn.Module, x: torch.Tensor)
     # The trained weight: the dense parameter, or the compact values of a sparse convolution (whose
     # dense weight is built where it is used and dropped: lowmem.techniques.compact).
     weight = trained_weight(conv)
-    return _NormReluConvRecomputed.apply(norm, conv, output_read, x, weight, conv.bias, *norm_params)
+    # One op for a side output's numbering: the forward without a graph computes it by other ops.
+    return one_op(lambda: _NormReluConvRecomputed.apply(norm, conv, output_read, x, weight, conv.bias, *norm_params),
+                  x, *conv.parameters(), *norm_params)
 
 
 def _norm_relu_conv_without_graph(norm: nn.Module, conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
