@@ -308,3 +308,39 @@ def test_recomputation_finds_side_outputs_by_call_order_with_grad_on():
         block(stored)
     again, = collect.collected([index], [(tuple(side.shape), side.dtype)])
     assert again is stored[1] and again.requires_grad
+
+
+def test_saved_tensor_hooks_calling_torch_functions_do_not_shift_the_numbering():
+    """The recomputation saves tensors for backward (the forward without autograd did not): what a
+    saved-tensor hook in force computes (lowmem's accounting, compression) is not the block's."""
+    weight = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(2, 3)
+
+    class Square(torch.autograd.Function):  # saves its input when apply returns, outside any torch call
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t)
+            return t * t
+
+        @staticmethod
+        def backward(ctx, grad):
+            (t,) = ctx.saved_tensors
+            return 2 * t * grad
+
+    def block(store: list) -> torch.Tensor:
+        h = Square.apply(x @ weight)
+        store.append(h * 2)
+        return h + 1
+
+    stored: list = []
+    with torch.no_grad(), ForwardWatch() as watch:
+        out = block(stored)
+    (index, side), = watch.escaped([out])
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.sum()) or t, lambda t: t):
+        with RecomputeCollect([index]) as collect:
+            again = block(stored)
+    assert packed  # the hook ran, calling torch functions
+    found, = collect.collected([index], [(tuple(side.shape), side.dtype)])
+    assert found is stored[1]
+    again.sum().backward()

@@ -44,6 +44,7 @@ gradient); ``.detach()`` marks it as autograd would.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -242,6 +243,34 @@ class RecomputeCollect(_Numbering):
         super().__init__()
         self.wanted = set(indices)
         self.found: dict[int, torch.Tensor] = {}
+        self._hooks: contextlib.AbstractContextManager | None = None
+
+    def __enter__(self) -> RecomputeCollect:
+        # The saved-tensor hooks in force (lowmem's accounting and compression, a user's) run when
+        # the recomputation saves tensors for backward, which the forward without autograd never
+        # did: whatever torch functions they call are not the block's, and are not numbered.
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if hooks is not None:
+            pack, unpack = hooks
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._unnumbered(pack), unpack)
+            self._hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            self._hooks = None
+
+    def _unnumbered(self, pack: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+        def packed(tensor: torch.Tensor) -> Any:
+            self.paused += 1
+            try:
+                return pack(tensor)
+            finally:
+                self.paused -= 1
+
+        return packed
 
     def observe(self, func: Callable | None, args: tuple, kwargs: dict, out: Any) -> None:
         results = _tensor_results(out)
