@@ -135,7 +135,10 @@ class SparsityConfig:
     density: float = knob(
         1.0,
         "Fraction of nonzeros in the sparsifiable layers (1.0: dense): WRN's 24 3x3 convolutions in its blocks, "
-        "DynamicConv's linear weights and embeddings, any other model's as `sparsity.include`/`exclude` choose. "
+        "DynamicConv's linear weights and embeddings, any other model's as `sparsity.include`/`exclude` choose; "
+        "of a mixture of experts' stacked weights, each expert's matrix starts with this density. The multiplying "
+        "weights left dense (routers, first and last layer, frozen, zero-initialised) are logged once and listed "
+        "in the profile JSON (`dense_weights`). "
         "WRN's sparse convolutions are drawn again He-normal (DSR's rule); DynamicConv and other models keep "
         "their own initialisation (fairseq's Xavier-uniform linears, N(0, 1/d) embeddings, zero padding rows) "
         "with the inactive entries zeroed, as the dense model has it, so a density sweep compares densities under "
@@ -162,16 +165,21 @@ class SparsityConfig:
         "`compact`: each sparse weight is stored as its active values and their positions, int16 column indices "
         "over rows of 2^15 entries (views into flat buffers whose size never changes; a checkpoint of the former "
         "int32 positions converts on load); gradients and optimizer state exist for the active entries only; the "
-        "dense weight is built while its layer computes and never saved. `masked`: the report's dense weight and "
-        "bool mask (same draws, same FP64 results; `tests/test_compact.py`). A checkpoint resumes only with its own "
-        "storage.",
+        "dense weight is built while its layer computes and never saved (a mixture of experts' stacked weights: built "
+        "once per experts call and held until backward, since the experts' own ops save it). `masked`: the report's "
+        "dense weight and bool mask (same draws, same FP64 results; `tests/test_compact.py`). A checkpoint resumes "
+        "only with its own storage.",
     )
     include: Any = knob(
         None,
         "Any model: a shell-style pattern or a list of patterns over parameter names naming exactly the weights to "
         "sparsify (`sparsity.include='layer*.conv*.weight'`): Linear, Conv1d/2d/3d, Embedding and `transformers` "
-        "`Conv1D` weights. Null: every `nn.Linear`, `nn.Conv1d/2d/3d` and `Conv1D` weight except the model's first "
-        "and last layer (`lowmem/techniques/targets.py`); the built-in recipes name their own.",
+        "`Conv1D` weights, and stacked matrices (a parameter of 3 or more dims of another module: "
+        "`sparsity.include='*.experts.*'`), frozen ones too (pruned once to their largest entries, never rewired, "
+        "with a warning). Null: every `nn.Linear`, `nn.Conv1d/2d/3d` and `Conv1D` weight and every experts "
+        "module's stacked matrices that train (`requires_grad`), except the routers, the zero-initialised (LoRA's "
+        "`lora_B`) and the model's first and last layer (`lowmem/techniques/targets.py`); the built-in recipes name "
+        "their own.",
     )
     exclude: Any = knob(
         None,

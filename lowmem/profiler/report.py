@@ -104,6 +104,7 @@ class MemoryReport:
     offloaded_bytes: int = 0  # accounted: saved activations in host memory at most at once (checkpointing.offload)
     host_bytes: int = 0  # host memory held for offloaded activations (pinned pool after a real step, else accounted)
     gathered_bytes: int = 0  # sharded (fsdp): the weights gathered whole at once at most (0: not sharded)
+    dense_weights: dict[str, str] = field(default_factory=dict)  # multiplying weights sparsity left dense: why
     seconds: dict[str, float] = field(default_factory=dict)  # time spent per measurement
 
     def to_json(self) -> dict:
@@ -174,6 +175,7 @@ def profile_step(
     fake: bool = True,
     arithmetic: contextlib.AbstractContextManager | None = None,
     host_bytes: Callable[[], int] | None = None,
+    dense_weights: Mapping[str, str] | None = None,
 ) -> MemoryReport:
     """Account, count and (if ``train_step`` is given) measure one training step of ``model``.
 
@@ -192,6 +194,8 @@ def profile_step(
         ``arithmetic()``.
     host_bytes: the host memory held for offloaded activations after the real step (a pinned
         pool's bytes); without it, or without a real step, the accounted offloaded bytes.
+    dense_weights: the multiplying weights a sparse run leaves dense, each with why
+        (``DynamicSparsity.dense_weights``), carried into the report as they are.
     """
     if callable(microbatches):
         microbatches = [Microbatch(microbatches)]
@@ -249,6 +253,7 @@ def profile_step(
         offloaded_bytes=offloaded,
         host_bytes=max(held_on_host, offloaded),
         peak_source="" if peak is None else peak.source,
+        dense_weights=dict(dense_weights or {}),
         seconds={k: round(v, 2) for k, v in seconds.items()},
     )
 

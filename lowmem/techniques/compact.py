@@ -35,6 +35,18 @@ modify in place — and a bare 2-D parameter that the model applies with ``linea
 (a decoder's output projection, say). A weight tied between modules stays tied: one values
 parameter and one set of positions, held by every module that used the dense weight.
 
+**Stacked matrices** (``is_stacked_matrices``): a parameter of 3 or more dims held by a module that
+is no such layer — a mixture of experts' weights as transformers 5 stores them, ``gate_up_proj``
+[experts, 2·intermediate, hidden] and ``down_proj`` [experts, hidden, intermediate], whatever the
+module's own forward does with them (an expert loop, ``grouped_mm``, ``bmm``). The module's class
+gains a forward that builds each such weight dense once per call, through autograd (its gradient
+is gathered at the active positions in backward), and binds it under the parameter's name for the
+call, so the module's own code reads a dense tensor of the weight's shape whose zeros are the
+inactive entries; read outside a forward, the attribute builds a new one. Unlike a layer's, this
+dense weight is the module's own ops' input, so they save it for backward like any input: it is held
+from the forward to the backward (inside a checkpointed block, only while the block recomputes),
+and the step holds it besides the compact values; gradients and optimizer state stay compact.
+
 **Sharded training** (``trainer.parallel=fsdp``; ``CompactWeights.share_values``): the values of all
 layers become one parameter of the model, ``lowmem_compact_values``, and their columns one buffer,
 ``lowmem_compact_columns`` (the flat buffers themselves, whose sizes never change), sharded across
@@ -415,6 +427,69 @@ def linear(module: nn.Module, name: str, x: torch.Tensor, bias: torch.Tensor | N
     return _CompactLinear.apply(_untraced(x), _values(module, name), *_index(module, name), bias, shape, False)
 
 
+class _DenseStacked(torch.autograd.Function):
+    """The dense tensor of a compact stacked weight, for its module's own ops; backward gathers the
+    dense gradient those ops give it at the active positions (the values' gradient)."""
+
+    @staticmethod
+    def forward(ctx, values, columns, row_starts, shape):
+        ctx.values_dtype = values.dtype
+        ctx.save_for_backward(columns, row_starts)
+        return _own_tensor(densify(values, columns, row_starts, shape))
+
+    @staticmethod
+    def backward(ctx, grad):
+        columns, row_starts = ctx.saved_tensors
+        return gather(grad, columns, row_starts, ctx.values_dtype), None, None, None
+
+
+def _dense_stacked(module: nn.Module, name: str) -> torch.Tensor:
+    """``module``'s compact stacked weight ``name`` as a new dense tensor, in autograd's graph."""
+    return _DenseStacked.apply(_values(module, name), *_index(module, name), getattr(module, _SHAPES)[name])
+
+
+class _CompactStackedModule:
+    """Mixin of a module holding compact stacked weights (``is_stacked_matrices``): inside its
+    forward each reads as one dense tensor built for the call (every expert of the call reads the
+    same one); outside, each read builds a new one."""
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        stacked = [name for name, shape in getattr(self, _SHAPES).items() if len(shape) >= 3]
+        self.__dict__.update({name: _dense_stacked(self, name) for name in stacked})
+        try:
+            return super().forward(*args, **kwargs)
+        finally:  # the call's dense weights live on only where its ops saved them for backward
+            for name in stacked:
+                self.__dict__.pop(name, None)
+
+    def __getattr__(self, name: str) -> object:
+        if name in self.__dict__.get(_SHAPES, {}):
+            return _dense_stacked(self, name)
+        return super().__getattr__(name)
+
+
+_STACKED_CLASSES: dict[type, type] = {}  # a module's class -> its class with compact stacked weights
+
+
+def is_stacked_matrices(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>`` is a parameter of stacked matrices: 3 or more dims, held by a module
+    that is not a layer with a weight of its own kind (``nn.Linear``, ``nn.Embedding``, a convolution,
+    transformers' ``Conv1D``). The leading dims index the matrices, the last two are each one's
+    [rows, columns]: a mixture of experts' weights (transformers 5's ``gate_up_proj``, ``down_proj``)."""
+    param = module._parameters.get(name)
+    return (
+        param is not None
+        and param.dim() >= 3
+        and not isinstance(module, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd))
+        and not is_transformers_conv1d(module)
+    )
+
+
+def matrix_count(shape: Sequence[int]) -> int:
+    """How many matrices a stacked weight of ``shape`` holds (the product of its leading dims)."""
+    return math.prod(shape[:-2])
+
+
 class _CompactModule:
     """Mixin of the compact layer classes: ``weight`` reads as a dense tensor (built on demand)."""
 
@@ -512,11 +587,14 @@ def check_compactable(module: nn.Module, name: str, qualified: str) -> None:
         if problem is None:
             return
         raise ValueError(f"sparsity.storage=compact: {qualified} must be {problem}; use sparsity.storage=masked")
+    if is_stacked_matrices(module, name):
+        return
     if layer or getattr(module, name).dim() != 2:
         raise ValueError(
             f"sparsity.storage=compact holds the weights of nn.Linear, nn.Conv1d/2d/3d, nn.Embedding and "
-            f"transformers' Conv1D, and 2-D parameters that the model applies with "
-            f"lowmem.techniques.compact.linear; {qualified} is neither (use sparsity.storage=masked)"
+            f"transformers' Conv1D, stacked matrices (a parameter of 3 or more dims of another module: a "
+            f"mixture of experts' weights) and 2-D parameters that the model applies with "
+            f"lowmem.techniques.compact.linear; {qualified} is none of these (use sparsity.storage=masked)"
         )
 
 
@@ -537,7 +615,7 @@ class CompactWeights:
 
     def __init__(self, model: nn.Module, names: Sequence[str], masks: Mapping[str, torch.Tensor]) -> None:
         self.names = list(names)
-        self._owners = {name: _owner(model, name) for name in self.names}
+        self._owners = {name: owner_of(model, name) for name in self.names}
         # The other (module, attribute) places that hold the same parameter, by weight.
         self._tied = {name: _tied_places(model, *self._owners[name]) for name in self.names}
         dense = {name: getattr(module, attr) for name, (module, attr) in self._owners.items()}
@@ -772,7 +850,8 @@ class CompactWeights:
         self.row_starts = torch.cat(row_starts)
 
 
-def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+def owner_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding parameter ``name`` of ``model`` and its attribute there."""
     prefix, _, attr = name.rpartition(".")
     return (model.get_submodule(prefix) if prefix else model), attr
 
@@ -807,6 +886,12 @@ def _install(module: nn.Module, attr: str, shape: torch.Size, values: nn.Paramet
     compact_class = _compact_class(module)
     if attr == "weight" and compact_class is not None:
         module.__class__ = compact_class
+    elif len(shape) >= 3 and not isinstance(module, _CompactStackedModule):  # stacked matrices
+        kind = type(module)
+        if kind not in _STACKED_CLASSES:
+            stacked = type(f"Compact{kind.__name__}", (_CompactStackedModule, kind), {"__module__": __name__})
+            _STACKED_CLASSES[kind], _DENSE_CLASSES[stacked] = stacked, kind
+        module.__class__ = _STACKED_CLASSES[kind]
 
 
 def _replace_in_order(table: dict, old: str, new: str, value: object) -> None:
@@ -822,7 +907,10 @@ def _uninstall(module: nn.Module, attr: str, weight: nn.Parameter) -> None:
     shapes = dict(getattr(module, _SHAPES))
     del shapes[attr]
     object.__setattr__(module, _SHAPES, shapes)
-    if attr == "weight" and type(module) in _DENSE_CLASSES:
+    if isinstance(module, _CompactStackedModule):
+        if not any(len(shape) >= 3 for shape in shapes.values()):  # no stacked weight left
+            module.__class__ = _DENSE_CLASSES[type(module)]
+    elif attr == "weight" and type(module) in _DENSE_CLASSES:
         module.__class__ = _DENSE_CLASSES[type(module)]
 
 

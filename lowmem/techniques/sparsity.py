@@ -16,11 +16,21 @@ the active entries only. ``storage="masked"`` keeps the report's simulation inst
 holding exact zeros outside a bool mask, gradients masked, optimizer state reset wherever a weight
 is inactive or has just been regrown. Either way the weights, their gradients and the optimizer
 state share one sparsity pattern.
+
+Stacked matrices (a mixture of experts' weights: a parameter of 3 or more dims whose leading dims
+index its matrices, ``lowmem.techniques.compact.is_stacked_matrices``) start with the density in each
+matrix, an exact count per expert; rewiring then treats the parameter as one layer, as it treats
+every layer: its total moves with the global threshold and the regrowth split, and regrowth is
+uniform over its free positions, so one expert's share may drift as one layer's share of the model
+does. A frozen weight (``requires_grad=False``, named on purpose: ``lowmem.techniques.targets``
+never picks one) keeps its largest entries, the density's share of each matrix, and is never
+rewired: no gradient could regrow it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,8 +38,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lowmem.techniques.compact import CompactWeights
+from lowmem.techniques.compact import CompactWeights, is_stacked_matrices, matrix_count, owner_of
 from lowmem.techniques.shards import full, is_sharded, local, local_rows, moved_entries, write_full
+from lowmem.techniques.targets import dense_weights, summarize_weights
+
+log = logging.getLogger("lowmem")
 
 # How sparse weights are stored (see DynamicSparsity) and how they are initialised.
 STORAGES = ("compact", "masked")
@@ -207,8 +220,9 @@ class DynamicSparsity:
     ``storage`` says how a sparse weight is held:
 
     - ``"compact"`` (default): its active values and their positions only
-      (``lowmem.techniques.compact``): the dense weight exists only while its layer computes, and
-      gradients and optimizer state exist for the active entries only. The dense parameter
+      (``lowmem.techniques.compact``): the dense weight exists only while its layer computes (stacked
+      matrices: from their module's forward to its backward), and gradients and optimizer state exist
+      for the active entries only. The dense parameter
       ``<name>`` of the model becomes ``<name>_values`` (trained) and its positions,
       ``<name>_columns`` (int16) and ``<name>_row_starts``.
     - ``"masked"``: the report's simulation, a dense weight holding exact zeros outside a bool
@@ -216,12 +230,18 @@ class DynamicSparsity:
 
     Both make the same random draws and, in exact arithmetic, train the same weights.
 
-    ``density`` is the fraction of active weights per layer (1.0 = dense: every entry is active and
-    rewiring never happens, since there would be no free position to regrow into). ``init``:
+    ``density`` is the fraction of active weights per layer, and per matrix of stacked matrices (1.0 =
+    dense: every entry is active and rewiring never happens, since there would be no free position to
+    regrow into). ``init``:
     ``"he_normal"`` re-initialises the sparse weights He-normal (not rescaled for density) from the
     generator, the WRN rule of DSR; ``"model"`` keeps the model's own initialisation. Inactive
     entries are zero either way. ``rewire_fraction · fraction_mult`` of all sparsifiable weights is
-    the number N_p each rewiring aims to prune; ``freq_mult`` divides the schedule's periods.
+    the number N_p each rewiring aims to prune; ``freq_mult`` divides the schedule's periods. Frozen
+    weights (``requires_grad=False``) keep their values and largest entries, are never rewired and
+    do not count in N_p; one warning names them.
+
+    ``dense_weights``: the model's multiplying weights left dense, each with why
+    (``lowmem.techniques.targets.dense_weights``), logged once at construction.
 
     Order within one training step: backward (all microbatches) → ``mask_gradients`` → overflow
     check / unscale / clip → ``optimizer.step`` → ``after_optimizer_step`` (only if the step was
@@ -264,16 +284,36 @@ class DynamicSparsity:
         self.step_count = 0
         self._names = _resolve_weights(model, weight_names)
         self._shapes = {name: model.get_parameter(name).shape for name in self._names}
+        self._stacked = {name for name in self._names if is_stacked_matrices(*owner_of(model, name))}
+        self._frozen = {name for name in self._names if not model.get_parameter(name).requires_grad}
+        self.dense_weights = dense_weights(model, self._names) if self.density < 1.0 else {}
+        if self.dense_weights:
+            log.info(
+                "sparsity: %d multiplying weights stay dense: %s",
+                len(self.dense_weights),
+                summarize_weights(self.dense_weights),
+            )
+        if self._frozen:
+            log.warning(
+                "sparsity: frozen weights (requires_grad=False) are sparsified as named: %s; each keeps its "
+                "largest entries (density %s) and is never rewired, since no gradient can regrow it",
+                summarize_weights({name: "" for name in self._names if name in self._frozen}),
+                self.density,
+            )
         self._generator = torch.Generator().manual_seed(seed)
-        # N_p: how many weights each rewiring aims to prune.
-        self.target_pruned = rewire_fraction * fraction_mult * self.numel()
+        # N_p: how many weights each rewiring aims to prune (frozen weights are never rewired).
+        rewired = sum(math.prod(shape) for name, shape in self._shapes.items() if name not in self._frozen)
+        self.target_pruned = rewire_fraction * fraction_mult * rewired
         masks: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for name in self._names:
                 weight = model.get_parameter(name)
-                masks[name] = self._random_mask(name, weight)
-                if init == "he_normal":
-                    self._he_normal_(weight)
+                if name in self._frozen:
+                    masks[name] = self._largest_mask(name, weight)
+                else:
+                    masks[name] = self._random_mask(name, weight)
+                    if init == "he_normal":
+                        self._he_normal_(name, weight)
                 weight.mul_(masks[name])
         # Masked storage keeps the *inactive* masks: gradients are masked in place with no new tensor.
         self._inactive: dict[str, torch.Tensor] = {}
@@ -312,10 +352,18 @@ class DynamicSparsity:
     def trained_parameters(self) -> dict[str, tuple[torch.Size, int]]:
         """The parameter that holds each sparse weight, by its name in ``model.named_parameters()``
         (``<name>_values`` in compact storage, ``<name>`` masked), with the weight's dense shape and
-        its number of active entries: what the accounting counts as CSR."""
+        its number of active entries: what the accounting counts as CSR. Stacked matrices have their
+        matrices one under the other, [matrices · rows, columns]: each matrix is CSR of its own."""
         counts = self._active_counts()
         suffix = "_values" if self.compact is not None else ""
-        return {name + suffix: (self._shapes[name], count) for name, count in zip(self._names, counts, strict=True)}
+        return {
+            name + suffix: (self._matrix_shape(name), count)
+            for name, count in zip(self._names, counts, strict=True)
+        }
+
+    def _matrix_shape(self, name: str) -> torch.Size:
+        shape = self._shapes[name]
+        return torch.Size((math.prod(shape[:-1]), shape[-1])) if name in self._stacked else shape
 
     def nonzero_count(self) -> int:
         """Number of active weights. Just-regrown weights are active but still 0."""
@@ -413,8 +461,11 @@ class DynamicSparsity:
         keep = [values.abs().float() >= self.threshold for values in actives]
         pruned = torch.stack([k.logical_not().sum() for k in keep]).tolist()  # one device sync for all
         active = [len(values) for values in actives]
-        for i, values in enumerate(actives):
-            if active[i] > 0 and pruned[i] == active[i]:  # the layer would vanish: keep its largest weight
+        for i, (name, values) in enumerate(zip(self._names, actives, strict=True)):
+            if name in self._frozen:  # never rewired: no gradient could regrow it
+                keep[i].fill_(True)
+                pruned[i] = 0
+            elif active[i] > 0 and pruned[i] == active[i]:  # the layer would vanish: keep its largest weight
                 keep[i][values.abs().float().argmax()] = True
                 pruned[i] -= 1
         total_pruned = sum(pruned)
@@ -424,7 +475,10 @@ class DynamicSparsity:
         quotas = split_regrowth(
             total_pruned,
             survivors=[a - p for a, p in zip(active, pruned, strict=True)],
-            free=[math.prod(self._shapes[name]) - a for name, a in zip(self._names, active, strict=True)],
+            free=[
+                0 if name in self._frozen else math.prod(self._shapes[name]) - a
+                for name, a in zip(self._names, active, strict=True)
+            ],
             generator=self._generator,
         )
         regrown = []
@@ -601,24 +655,45 @@ class DynamicSparsity:
         return inactive
 
     def _random_mask(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        """A mask with exactly round(density · numel) True entries at uniformly random positions."""
-        active = round(self.density * weight.numel())
-        if active < 1:
-            raise ValueError(
-                f"sparsity.density={self.density} leaves {name} ({weight.numel()} weights) with no weight; "
-                f"it needs a density of at least {0.5 / weight.numel():.2g}"
-            )
-        mask = torch.zeros(weight.numel(), dtype=torch.bool)
-        mask[torch.randperm(weight.numel(), generator=self._generator)[:active]] = True
+        """A mask with exactly round(density · numel) True entries at uniformly random positions; of
+        stacked matrices, that many in each matrix."""
+        matrices = matrix_count(weight.shape) if name in self._stacked else 1
+        size = weight.numel() // matrices
+        active = self._active_count(name, size)
+        mask = torch.zeros(matrices, size, dtype=torch.bool)
+        for matrix in mask:
+            matrix[torch.randperm(size, generator=self._generator)[:active]] = True
         return mask.view(weight.shape).to(weight.device)
 
-    def _he_normal_(self, weight: torch.Tensor) -> None:
-        """He-normal init: N(0, 2/fan_in), fan_in = elements per output row (ci·k1·k2 for a conv).
+    def _largest_mask(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """A frozen weight's mask: its round(density · numel) largest entries by magnitude (of stacked
+        matrices, in each matrix); ties go to the first positions."""
+        matrices = matrix_count(weight.shape) if name in self._stacked else 1
+        size = weight.numel() // matrices
+        order = weight.detach().float().abs().reshape(matrices, size).argsort(dim=1, descending=True, stable=True)
+        mask = torch.zeros(matrices, size, dtype=torch.bool, device=weight.device)
+        return mask.scatter_(1, order[:, : self._active_count(name, size)], True).view(weight.shape)
+
+    def _active_count(self, name: str, size: int) -> int:
+        """round(density · size) active entries of ``size`` (a weight's, or one of its matrices'), at least 1."""
+        active = round(self.density * size)
+        if active < 1:
+            what = "each matrix of " if name in self._stacked else ""
+            raise ValueError(
+                f"sparsity.density={self.density} leaves {what}{name} ({size} weights) with no weight; "
+                f"it needs a density of at least {0.5 / size:.2g}"
+            )
+        return active
+
+    def _he_normal_(self, name: str, weight: torch.Tensor) -> None:
+        """He-normal init: N(0, 2/fan_in), fan_in = elements per output row (ci·k1·k2 for a conv; a
+        stacked matrix's columns).
 
         Drawn in FP32 from the seeded CPU generator (then cast), so every rank, device and precision
         gets the same values.
         """
-        std = math.sqrt(2.0 / weight[0].numel())
+        fan_in = weight.shape[-1] if name in self._stacked else weight[0].numel()
+        std = math.sqrt(2.0 / fan_in)
         weight.copy_(torch.randn(weight.shape, generator=self._generator) * std)
 
 
