@@ -313,14 +313,18 @@ def plan(
 ) -> dict[str, Any]:
     """The best configuration of ``model`` whose accounted total fits ``budget_mb`` (MB = 1e6
     bytes), searched as ``python -m lowmem.plan`` searches (``lowmem.planning.search``): a dict with
-    ``"overrides"`` (knob=value strings for ``prepare``), ``"total_bytes"`` and the accounting.
-    ``model`` is not modified (each configuration is built on a copy). Raises ConfigError when
-    nothing fits, naming the smallest achievable figure."""
+    ``"overrides"`` (knob=value strings for ``prepare``), ``"total_bytes"``, the accounting and
+    ``"refused"`` (a line per configuration that could not be built or accounted, whatever it
+    raised, with why: skipped). ``model`` is not modified (each configuration is built on a copy).
+    Raises ConfigError when nothing fits, naming the smallest achievable figure."""
     if not isinstance(budget_mb, int | float) or isinstance(budget_mb, bool) or not math.isfinite(budget_mb):
         raise ConfigError(f"budget_mb={budget_mb!r} is not allowed: a finite number of MB > 0")
     task = LoopTask(loss_fn)
     examples = batch_examples(example_batch, "example_batch")
-    loop_config(overrides, examples)  # the overrides are checked before any search
+    # The overrides are checked before any search; checkpointing.budget_mb is the search's to
+    # choose (lowmem.plan refuses one given), so a fixed checkpointing.strategy=optimal is checked with one.
+    optimal = "checkpointing.strategy=optimal" in [str(o).lstrip("+") for o in overrides]
+    loop_config([*overrides, *(["checkpointing.budget_mb=1"] if optimal else [])], examples)
 
     def build(cfg: DictConfig) -> Any:
         return _build(as_loop_config(cfg), copy.deepcopy(model), task, example_batch)

@@ -15,11 +15,13 @@ Prints a table of the best ``plan.top`` configurations (state bits, accounted to
 accuracy the report measured for them where it has a figure), then the chosen one built and
 profiled as ``lowmem.profile`` would (``plan.verify=true``: with one real step, for its measured
 peak; an optimal schedule is taken from the search rather than measured again, and measured again
-if the built trainer's accounting differs; a configuration whose build is refused, whose figure
-built alone exceeds the budget or, verified, whose measured peak does, is skipped for the next one),
+if the built trainer's accounting differs; a configuration whose build is refused, whatever it
+raises, whose figure built alone exceeds the budget or, verified, whose measured peak does, is
+skipped for the next one),
 and as the **last stdout line** one JSON object with
 ``"overrides"`` (``knob=value`` strings to add to the same command line for ``lowmem.train``) and
-``"total_bytes"``. Also written to ``plan.json`` in Hydra's run directory. When nothing fits, it
+``"total_bytes"`` (and ``"refused"``: one line per configuration the search or the build refused,
+with why). Also written to ``plan.json`` in Hydra's run directory. When nothing fits, it
 fails (non-zero exit) naming the smallest achievable total and its configuration.
 """
 

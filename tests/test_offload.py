@@ -249,7 +249,9 @@ def test_lowmem_plan_lets_optimal_offload_where_allowed(monkeypatch):
              "optim.state_bits=null"]  # fmt: skip
     plain = search.Planner([*fixed, "checkpointing.strategy=optimal"], 10**12)
     roomy = plain.search(1)[0]
-    budget = roomy.budget_total_bytes - roomy.activation_bytes // 2
+    # Two fifths of the activations less: optimal is planned within the room less the step's largest
+    # op (a built configuration's check adds it), and half as much less leaves no schedule here.
+    budget = roomy.budget_total_bytes - roomy.activation_bytes * 2 // 5
     recomputing = search.Planner([*fixed, "checkpointing.strategy=optimal"], budget).search(1)[0]
     assert "offload" not in recomputing.schedule and not recomputing.offload
 

@@ -31,6 +31,12 @@ _IN_CHILD = False
 log = logging.getLogger("lowmem")
 
 
+def in_child() -> bool:
+    """Whether this process is a forked helper: whatever fails here is computed again by the parent
+    (a refusal the child would record may be the fork's own failure, not the configuration's)."""
+    return _IN_CHILD
+
+
 def usable() -> bool:
     """Whether a forked helper can run here (see the module docstring)."""
     if _IN_CHILD or not hasattr(os, "fork"):

@@ -87,6 +87,9 @@ def plan_search(
         smallest = planner.smallest()
         raise NothingFits(budget_mb, smallest, planner.overrides(smallest))
     say(table(planner, found, budget_mb))
+    refused = planner.refusals()  # configurations the search could not account, and why
+    for line in refused:
+        say(f"(refused while searching: {line})")
     planner.release(keep=found)  # the search's trainers and fake-pass caches: not part of what is profiled
     for chosen in found:
         try:
@@ -99,8 +102,10 @@ def plan_search(
             ):
                 # The search's schedule does not stand for this build: its checkpoints placed afresh.
                 report, row = profile_row(planner.build_chosen(chosen, reuse=False), verify)
-        except (ConfigError, ValueError) as refusal:  # lowmem.prepare / lowmem.train refuse it: never chosen
-            say(f"(#{found.index(chosen) + 1} refused when built: {str(refusal).splitlines()[0]}: skipped)")
+        except Exception as refusal:  # noqa: BLE001 - lowmem.prepare / lowmem.train refuse it, however: never chosen
+            why = str(refusal).strip().splitlines()[0] if str(refusal).strip() else type(refusal).__name__
+            say(f"(#{found.index(chosen) + 1} refused when built: {why}: skipped)")
+            refused.append(f"{' '.join(planner.overrides(chosen))}: {why}")
             continue
         held = max(row["budget_total_bytes"], row["peak_bytes"] or 0)
         if held <= budget:
@@ -135,6 +140,7 @@ def plan_search(
         "checkpointing_schedule": chosen.schedule or None,
         "reported": None if reported is None else dict(zip(("metric", "value", "cost"), reported, strict=True)),
         "search_seconds": round(searched, 2),
+        "refused": refused,
     }
 
 

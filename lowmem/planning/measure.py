@@ -1,4 +1,4 @@
-"""The per-block figures the checkpointing DP reasons with, measured on fake tensors.
+"""The per-block figures the checkpointing DP reasons with, measured on fake tensors (or real ones).
 
 ``measure_chain(trainer)`` profiles the trainer's own microbatch step (``microbatch_backward``,
 what ``lowmem.profile`` accounts) on the first minibatch, every figure through
@@ -17,11 +17,25 @@ what ``lowmem.profile`` accounts) on the first minibatch, every figure through
    can run: stored with and without BN-ReLU recomputation, and as a one-block checkpointed segment
    ``all_at_once`` and ``recursively``, from a fake input, backward from a fake gradient.
 
+A chain of blocks (``lowmem.techniques.chains``) need not run as one: the recorder cuts it into
+*runs*, as ``ChainRunner.call`` cuts it into segments, each run blocks ``i, i+1, ...`` called one
+after another on the previous one's output (diffusers' UNet: its down blocks, the middle block's
+three, each alone as they are called out of registration order, then its up blocks, called on the
+middle block's output); the programme plans each run as a stack of its own
+(``ChainCosts.stack_starts``), and a block no run holds (called on something other than a
+floating-point tensor) is stored. A block in two runs (its weights shared) is refused, naming it.
+
 Several microbatch shapes (translation's token microbatches) are measured one by one and merged:
 bytes take the largest (so the modelled peak bounds every shape's), FLOPs add up over the
 minibatch. Every pass of one shape runs on one set of fake parameters (``FakePasses``). Measuring
 WRN-28-2 takes about a second; the model and its recorded inputs stay the trainer's, and every
 stack runs plainly afterwards (apply a schedule).
+
+A model fake tensors cannot run (a mixture of experts: ``lowmem.profiler.real_passes``) is
+measured the same way on real tensors: a fake pass that stops notes the model and the measurement
+starts again (``measured``), every pass now real with the training state kept; each block is then
+measured alone on the values it was called with in the recorded pass (``_TensorSpec.value``), so
+that it routes its tokens as in the step, and none stands for another.
 """
 
 from __future__ import annotations
@@ -32,15 +46,17 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
 from lowmem.planning.schedule import BlockCosts, ChainCosts
 from lowmem.profiler import ActivationTrace, ActivationTracer
 from lowmem.profiler.activations import cpu_fake, maybe_fake, model_state
+from lowmem.profiler.real_passes import fake_pass_limit, note_real_passes, real_pass, real_pass_reason
 from lowmem.profiler.step import distinct_microbatches
 from lowmem.residual import residual_stacks, routes_norm_relu_conv, run_sequentially, set_block_executor
 from lowmem.techniques.chains import find_block_chains, install_chains, installed_runners
@@ -51,34 +67,57 @@ from lowmem.techniques.offload import ActivationOffload, exposed_transfer_flops,
 
 @dataclass(frozen=True)
 class _TensorSpec:
-    """Shape, strides, dtype and device of a tensor, to make a fake one like it in another pass."""
+    """Shape, strides, dtype and device of a tensor, to make a fake one like it in another pass;
+    recorded on real tensors (``lowmem.profiler.real_passes``), also its values (``value``, a
+    detached alias: a block measured alone then routes its tokens as in the step)."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool
+    value: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, tensor: torch.Tensor, requires_grad: bool | None = None) -> _TensorSpec:
         grad = tensor.requires_grad if requires_grad is None else requires_grad
-        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device, grad)
+        value = None if isinstance(tensor, FakeTensor) else tensor.detach()
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device, grad, value)
 
     def make(self) -> torch.Tensor:
-        """A tensor like the recorded one (fake inside the accounting's fake mode)."""
-        tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        """A tensor like the recorded one: fake inside the accounting's fake mode; its recorded
+        values in a real pass (zeros when none were recorded)."""
+        if self.value is not None and not _faking():
+            tensor = self.value.detach()
+        else:
+            tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+            if not _faking():
+                tensor.zero_()
         return tensor.requires_grad_(self.requires_grad and tensor.is_floating_point())
+
+
+def _faking() -> bool:
+    """Whether a fake tensor mode is active (a fake pass runs)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 @dataclass
 class _StackCall:
-    """What one residual stack (or chain of blocks) was called with in the recorded pass."""
+    """What one residual stack, or one run of a chain of blocks, was called with in the recorded
+    pass. A run is blocks ``start``, ``start + 1``, ... of one chain, each called on the previous
+    one's output, in that order (a chain's blocks that are not, diffusers' UNet's down and up blocks
+    with the middle block between them, make several runs)."""
 
     stack: int  # index in _stacks order
-    inputs: list[_TensorSpec]  # each block's input, then the stack's output
+    inputs: list[_TensorSpec]  # each block's input, then the run's output
     contexts: list[tuple]  # per block, its other arguments: _TensorSpec for tensors, the values otherwise
     autocast: tuple[str, bool, torch.dtype]
     keywords: list[dict] = field(default_factory=list)  # per block, its keyword arguments (chains only)
+    start: int = 0  # the run's first block, its index in the stack
+
+    @property
+    def blocks(self) -> int:
+        return len(self.inputs) - 1
 
     def make_context(self, index: int) -> tuple:
         return tuple(_made(item) for item in self.contexts[index])
@@ -92,25 +131,51 @@ class _StackCall:
 
 
 def _spec(item: Any) -> Any:
-    return _TensorSpec.of(item) if isinstance(item, torch.Tensor) else item
+    """An argument with its tensors (also those in tuples, lists, dicts: a UNet's skip connections)
+    as ``_TensorSpec``s."""
+    return tree_map_only(torch.Tensor, _TensorSpec.of, item)
 
 
 def _made(item: Any) -> Any:
-    return item.make() if isinstance(item, _TensorSpec) else item
+    return tree_map_only(_TensorSpec, _TensorSpec.make, item)
+
+
+class FakePassStopped(Exception):
+    """A fake pass met what fake tensors cannot run (``lowmem.profiler.real_passes``): the model is
+    noted, and the measurement that ran the pass runs again, on real tensors (``measured``)."""
+
+
+T = TypeVar("T")
+
+
+def measured(measure: Callable[[], T]) -> T:
+    """``measure()``; if one of its fake passes stopped (``FakePassStopped``), ``measure()`` again,
+    whose passes then run on real tensors."""
+    try:
+        return measure()
+    except FakePassStopped:
+        return measure()
 
 
 class FakePasses:
     """``account_activations(run, model, inputs=...)`` for several passes in a row over one model:
     its fake parameters and buffers are made once (``maybe_fake``), not once a pass (~60 ms for
     DynamicConv's 245 tensors). Each pass has its own tracer and starts, as a pass of its own
-    would, with no gradient on the fake parameters or inputs: the figures are the same."""
+    would, with no gradient on the fake parameters or inputs: the figures are the same.
+
+    A model fake tensors cannot run (``lowmem.profiler.real_passes.real_pass_reason``) has every
+    pass run on real tensors, its training state kept. A fake pass that stops at such a limit
+    notes the model and raises ``FakePassStopped``; the passes after it here run on real tensors."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._stack = contextlib.ExitStack()
+        self.reason: str | None = None  # why the passes run on real tensors (None: on fake ones)
 
     def __enter__(self) -> FakePasses:
-        self.mode = self._stack.enter_context(maybe_fake(self.model, True))
+        self.reason = real_pass_reason(self.model)
+        if self.reason is None:
+            self.mode = self._stack.enter_context(maybe_fake(self.model, True))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -124,14 +189,31 @@ class FakePasses:
     ) -> ActivationTrace:
         """``run(inputs)`` (fake CPU stand-ins of ``inputs``' tensors) or ``run()``, traced."""
         tracer = self.tracer() if tracer is None else tracer
+        if self.reason is not None:
+
+            def traced() -> ActivationTrace:
+                with tracer:
+                    run() if inputs is None else run(inputs)
+                return tracer.trace
+
+            return real_pass(self.model, traced, self.reason)
         fake_inputs = None if inputs is None else tree_map_only(torch.Tensor, self._fake, inputs)
         try:
-            with tracer:
-                run() if inputs is None else run(fake_inputs)
-        finally:
-            for tensor in [*self.model.parameters(), *tree_leaves(fake_inputs)]:
-                if isinstance(tensor, torch.Tensor):
-                    tensor.grad = None
+            try:
+                with tracer:
+                    run() if inputs is None else run(fake_inputs)
+            finally:
+                for tensor in [*self.model.parameters(), *tree_leaves(fake_inputs)]:
+                    if isinstance(tensor, torch.Tensor):
+                        tensor.grad = None
+        except Exception as error:  # noqa: BLE001 - sorted here: fake tensors' limit, or the step's error
+            reason = fake_pass_limit(error, self.model)
+            if reason is None:
+                raise
+            note_real_passes(self.model, reason)
+            self._stack.close()  # the real parameters back
+            self.reason = reason
+            raise FakePassStopped(reason) from error
         return tracer.trace
 
     def _fake(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -148,8 +230,9 @@ class _Recorder:
         self.calls: list[_StackCall] = []
         self.kept: list[torch.Tensor] = []
         self.held_at_start: list[int] = []  # per stack call, in forward order: the pass's peak so far
-        self._open: tuple[_StackCall, bool] | None = None  # a chain's call being recorded
-        self._last: torch.Tensor | None = None  # the chain's last block output
+        self._open: tuple[_StackCall, bool] | None = None  # the run of a chain being recorded
+        self._last: torch.Tensor | None = None  # its last block's output
+        self._last_version = 0  # that output's version then (changed in place: not chained)
         self.backprop_before = backprop_before  # run the backward of what comes before the stacks
         self.peak = peak
 
@@ -173,58 +256,61 @@ class _Recorder:
                 x = block(x, *context_values)
                 needs_grad = needs_grad or any(p.requires_grad for p in block.parameters())
             call.inputs.append(_TensorSpec.of(x, needs_grad))
-        return self._finish(call, x, needs_grad)
-
-    def _finish(self, call: _StackCall, x: torch.Tensor, needs_grad: bool) -> torch.Tensor:
         self.calls.append(call)
+        return self._finish(x, needs_grad)
+
+    def _finish(self, x: torch.Tensor, needs_grad: bool) -> torch.Tensor:
         if self.backprop_before and self.kept[-1].requires_grad:
             return _Bridge.apply(self.kept[-1], x)
         return x.requires_grad_(needs_grad)
 
     def observe(self, stack: int, runner: Any, index: int, args: tuple, kwargs: dict) -> Any:
-        """The same for a chain of blocks (``lowmem.techniques.chains``), one block call at a time:
-        each block must be called on the previous one's output, in order, once per forward."""
+        """The same for a chain of blocks (``lowmem.techniques.chains``), one block call at a time.
+        A block called on the tensor the chain's previous block returned (unchanged since) extends
+        that block's run; any other block call starts a run, as it starts a segment in
+        ``ChainRunner.call``. A call the chain runs plainly under every schedule (its first argument
+        no floating-point tensor, or autograd off) is part of what lies outside the stacks."""
         x = args[0] if args else None
-        if not isinstance(x, torch.Tensor):
-            raise ValueError("checkpointing.strategy=optimal needs blocks whose first argument is a tensor")
-        if index == 0:
+        forward = runner.forwards[index]
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and torch.is_grad_enabled()):
+            self._open = self._last = None
+            return forward.plain(*args, **kwargs)
+        open_call = self._open[0] if self._open is not None else None
+        continues = (
+            open_call is not None
+            and open_call.stack == stack
+            and open_call.start + open_call.blocks == index
+            and self._last is x
+            and x._version == self._last_version
+        )
+        if continues:
+            call, needs_grad = self._open
+        else:
             self._stack_starts()
-            if not torch.is_grad_enabled():
-                raise RuntimeError("measuring checkpoint costs needs a training step with autograd on")
-            self.kept.append(x)
+            self.kept.append(x)  # the graph before the run stays alive, as in the real step
             device = x.device.type
             autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-            self._open = (_StackCall(stack, [], [], autocast, []), x.requires_grad)
-        elif (
-            self._open is None
-            or self._open[0].stack != stack
-            or len(self._open[0].inputs) != index
-            or (self._last is not x)
-        ):
-            raise ValueError(
-                f"checkpointing.strategy=optimal needs each chain's blocks called one after another, each on the "
-                f"previous one's output; block {runner.chain.names[index]} was not (name the blocks that are "
-                "with checkpointing.blocks=..., or use checkpointing.strategy=residual / residual_star)"
-            )
-        call, needs_grad = self._open
-        call.inputs.append(_TensorSpec.of(x, needs_grad))
+            call = _StackCall(stack, [_TensorSpec.of(x)], [], autocast, [], start=index)
+            self.calls.append(call)
+            needs_grad = x.requires_grad
         call.contexts.append(tuple(_spec(item) for item in args[1:]))
         call.keywords.append({key: _spec(item) for key, item in kwargs.items()})
         with torch.no_grad():
-            output = runner.forwards[index].plain(*args, **kwargs)
+            output = forward.plain(*args, **kwargs)
         # A block may return a tuple, list or ModelOutput (T5's layers): its first tensor is the one
         # the next block is called on; the rest goes back as the block returned it.
         leaves, spec = tree_flatten(output)
         first = next((i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)), None)
         if first is None:
-            raise ValueError(f"checkpointing: block {runner.chain.names[index]} returns no tensor")
+            raise ValueError(
+                f"checkpointing.strategy=optimal: block {runner.chain.names[index]} returns no tensor; leave it out "
+                "of checkpointing.blocks, or use checkpointing.strategy=residual / residual_star"
+            )
         needs_grad = needs_grad or any(p.requires_grad for p in runner.blocks[index].parameters())
-        if index + 1 < len(runner.blocks):
-            self._open, self._last = (call, needs_grad), leaves[first]
-            return output
-        self._open = self._last = None
         call.inputs.append(_TensorSpec.of(leaves[first], needs_grad))
-        leaves[first] = self._finish(call, leaves[first], needs_grad)
+        # Every output may be the run's last: it joins the graph as the run's output would.
+        leaves[first] = self._finish(leaves[first], needs_grad)
+        self._open, self._last, self._last_version = (call, needs_grad), leaves[first], leaves[first]._version
         return tree_unflatten(leaves, spec)
 
 
@@ -250,17 +336,26 @@ class OutsidePass:
     memory to the same moments, and what precedes them to the end of backward."""
 
     activation_bytes: int
-    calls: tuple[_StackCall, ...]  # what each stack was called with, in forward order
+    calls: tuple[_StackCall, ...]  # what each stack (run of a chain) was called with, in forward order
     held_at_start: tuple[int, ...]  # per stack call: the pass's peak so far where it starts
+    real: bool = False  # run on real tensors (its calls hold the values: ``_TensorSpec.value``)
+    # The largest forward op's new outputs (``ActivationTrace.largest_op_bytes``): the same ops run
+    # forward under every schedule, so the same figure as the step's under any of them.
+    largest_op_bytes: int = 0
 
 
 def outside_pass(trainer: Any, part: Any, weight: float, passes: FakePasses | None = None) -> OutsidePass:
     """The ``OutsidePass`` of ``trainer``'s microbatch ``part`` (of loss ``weight``), on ``passes``'
-    fake parameters or on a set of its own. Stacks are measured the way ``measure_chain`` does."""
+    fake parameters or on a set of its own (on real tensors where a fake pass cannot run). Stacks
+    are measured the way ``measure_chain`` does."""
     model = _ready_to_measure(trainer)
     if passes is None:
-        with FakePasses(model) as own:
-            return outside_pass(trainer, part, weight, own)
+
+        def measure() -> OutsidePass:
+            with FakePasses(model) as own:
+                return outside_pass(trainer, part, weight, own)
+
+        return measured(measure)
     step = functools.partial(trainer.microbatch_backward, weight=weight, local=True)
     tracer = passes.tracer()
     recorder = _Recorder(backprop_before=False, peak=lambda: tracer.trace.activation_bytes)
@@ -269,7 +364,9 @@ def outside_pass(trainer: Any, part: Any, weight: float, passes: FakePasses | No
         trace = passes.account(step, part, tracer)
     finally:
         _record_with(model, None)
-    return OutsidePass(trace.activation_bytes, tuple(recorder.calls), tuple(recorder.held_at_start))
+    real = passes.reason is not None
+    calls, held = tuple(recorder.calls), tuple(recorder.held_at_start)
+    return OutsidePass(trace.activation_bytes, calls, held, real, trace.largest_op_bytes)
 
 
 def measure_chain(
@@ -299,10 +396,16 @@ def measure_chain(
     model = _ready_to_measure(trainer)
     distinct = distinct_microbatches(trainer, trainer.example_batch())
     try:
-        chains = [
-            (_measure_microbatch(trainer, part, weight, outside_flops, known, widths, offload), count)
-            for (part, weight, count), known in itertools.zip_longest(distinct, outside[: len(distinct)])
-        ]
+        chains = []
+        for (part, weight, count), known in itertools.zip_longest(distinct, outside[: len(distinct)]):
+
+            def measure(known: OutsidePass | None = known, part: Any = part, weight: float = weight) -> ChainCosts:
+                # An outside pass recorded on fake tensors holds no values for a real pass's blocks.
+                if known is not None and real_pass_reason(model) is not None and not known.real:
+                    known = None
+                return _measure_microbatch(trainer, part, weight, outside_flops, known, widths, offload)
+
+            chains.append((measured(measure), count))
     finally:
         _record_with(model, None)
         apply_checkpointing(model, "none")
@@ -361,34 +464,63 @@ def _measure_microbatch(
             _record_with(model, _Recorder(backprop_before=True))
             whole = passes.account(step, part)
         calls = outside.calls
-        if sorted(call.stack for call in calls) != list(range(len(stacks))):
-            raise ValueError(
-                "checkpointing.strategy=optimal needs every residual stack to run exactly once per forward"
-            )
+        _check_runs_once(model, calls)
         held_outside = outside.held_at_start
         _record_with(model, None)
         apply_checkpointing(model, "none")
-        measured: dict[tuple, BlockCosts] = {}
+        costs: dict[tuple, BlockCosts] = {}
         blocks = []
         for call in calls:
-            for index, block in enumerate(stacks[call.stack]):
+            for index, block in enumerate(stacks[call.stack][call.start : call.start + call.blocks]):
                 key = _signature(block, call, index)
-                if key not in measured:
-                    measured[key] = _measure_block(block, call, index, passes, hooks, widths)
-                blocks.append(measured[key])
+                if key not in costs:
+                    costs[key] = _measure_block(block, call, index, passes, hooks, widths)
+                blocks.append(costs[key])
     outside_peak = outside.activation_bytes
-    sizes = tuple(len(stacks[call.stack]) for call in calls)
+    sizes = tuple(call.blocks for call in calls)
     # The recorded pass ran every block's forward once, without autograd, besides the rest.
     flops = 0 if whole is None else whole.flops - sum(block.forward_flops for block in blocks)
     order = tuple(call.stack for call in calls)
-    return ChainCosts(tuple(blocks), sizes, held_outside, outside_peak, flops, order)
+    starts = tuple(call.start for call in calls)
+    return ChainCosts(
+        tuple(blocks), sizes, held_outside, outside_peak, flops, order, starts, tuple(len(stack) for stack in stacks)
+    )
+
+
+def _check_runs_once(model: nn.Module, calls: Sequence[_StackCall]) -> None:
+    """Each block in one run at most: a schedule gives every block one way to run, and the
+    programme counts each block once per forward. Raises ValueError naming a block called twice
+    (its weights shared between two places of the forward) and the knobs that avoid it."""
+    seen: set[tuple[int, int]] = set()
+    for call in calls:
+        for index in range(call.start, call.start + call.blocks):
+            if (call.stack, index) in seen:
+                name = _block_name(model, call.stack, index)
+                raise ValueError(
+                    f"checkpointing.strategy=optimal: block {name} runs more than once per forward (shared between "
+                    "places of the model); leave it out of checkpointing.blocks, or use "
+                    "checkpointing.strategy=residual / residual_star"
+                )
+            seen.add((call.stack, index))
+
+
+def _block_name(model: nn.Module, stack: int, index: int) -> str:
+    """The module path of block ``index`` of ``model``'s stack (chain) ``stack``."""
+    runners = installed_runners(model)
+    if not residual_stacks(model) and stack < len(runners):
+        return runners[stack].chain.names[index]
+    block = _stacks(model)[stack][index]
+    return next((name for name, module in model.named_modules() if module is block), type(block).__name__)
 
 
 def _signature(block: nn.Module, call: _StackCall, index: int) -> tuple:
-    """Blocks with equal signatures cost the same: same structure, parameters and inputs."""
+    """Blocks with equal signatures cost the same: same structure, parameters and inputs. Recorded
+    on real tensors, each block is its own (a mixture of experts routes each block's tokens its way)."""
     params = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters())
     arguments = repr((call.contexts[index], call.keywords[index] if call.keywords else {}))
-    return (repr(block), params, call.inputs[index], arguments, call.autocast, routes_norm_relu_conv(block))
+    position = (call.stack, call.start + index) if call.inputs[index].value is not None else None
+    key = (repr(block), params, call.inputs[index], arguments, call.autocast, routes_norm_relu_conv(block))
+    return (*key, position)
 
 
 class _WithKeywords(nn.Module):
@@ -454,7 +586,7 @@ def _measure_block(
             with call.autocast_context(), hooks.saving():
                 out = run_segments([runnable], x.view_as(x), call.make_context(index), (segment,))
             out = _chained_tensor(out)
-            out.backward(torch.empty_like(out))
+            out.backward(torch.empty_like(out) if _faking() else torch.zeros_like(out))
 
         return step
 
@@ -518,6 +650,13 @@ def _merge(chains: list[tuple[ChainCosts, int]]) -> ChainCosts:
     """One chain standing for microbatches of several shapes, ``count`` of each: bytes are the
     largest over the shapes, FLOPs the sum over the minibatch."""
     first = chains[0][0]
+    runs = {(chain.stack_indices, chain.stack_starts, chain.stack_sizes) for chain, _ in chains}
+    if len(runs) > 1:
+        raise ValueError(
+            "checkpointing.strategy=optimal: microbatches of different shapes run the model's blocks in different "
+            "orders; name the blocks to checkpoint with checkpointing.blocks=..., or use "
+            "checkpointing.strategy=residual / residual_star"
+        )
     blocks = []
     for position in range(len(first.blocks)):
         figures = [(chain.blocks[position], count) for chain, count in chains]
@@ -543,4 +682,6 @@ def _merge(chains: list[tuple[ChainCosts, int]]) -> ChainCosts:
         max(chain.outside_peak for chain, _ in chains),
         sum(chain.outside_flops * count for chain, count in chains),
         first.stack_indices,
+        first.stack_starts,
+        first.model_sizes,
     )

@@ -4,7 +4,8 @@
 the fewest FLOPs whose accounted activations (the report's definition, as ``lowmem.profile``
 prints them for the first minibatch) are at most ``budget_mb``:
 
-1. the per-block figures are measured on fake tensors (``lowmem.planning.measure``, ~1 s);
+1. the per-block figures are measured on fake tensors (``lowmem.planning.measure``, ~1 s; on real
+   tensors for a model fake tensors cannot run, a mixture of experts);
 2. the schedule with the smallest modelled peak is applied and accounted for real
    (``profile_trainer``): above the budget, no schedule fits and a ConfigError names
    ``checkpointing.budget_mb`` with that smallest reachable figure;
@@ -41,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 
 from lowmem import distributed
 from lowmem.config import ConfigError
-from lowmem.planning.measure import FakePasses, OutsidePass, measure_chain, outside_pass
+from lowmem.planning.measure import FakePasses, OutsidePass, measure_chain, measured, outside_pass
 from lowmem.planning.schedule import ChainCosts, Plan, cheapest_plan, describe, exposed_transfer, smallest_plan
 from lowmem.profiler import MB
 from lowmem.profiler.report import replayed_activations
@@ -96,13 +97,17 @@ class MinibatchAccounting:
             apply()
             trainer = self.trainer
             trainer.model.train()
-            with _own_random_streams(trainer), FakePasses(trainer.unwrapped_model) as passes:
-                for part, weight, count in self.parts[len(figures) :]:
-                    step = functools.partial(trainer.microbatch_backward, weight=weight, local=True)
-                    trace = passes.account(step, part)
-                    figures.append((trace.activation_bytes, trace.flops * count))
-                    if above is not None and trace.activation_bytes > above:
-                        break
+
+            def account() -> None:
+                with _own_random_streams(trainer), FakePasses(trainer.unwrapped_model) as passes:
+                    for part, weight, count in self.parts[len(figures) :]:
+                        step = functools.partial(trainer.microbatch_backward, weight=weight, local=True)
+                        trace = passes.account(step, part)
+                        figures.append((trace.activation_bytes, trace.flops * count))
+                        if above is not None and trace.activation_bytes > above:
+                            break
+
+            measured(account)  # on real tensors where a fake pass cannot run (a mixture of experts)
         complete = len(figures) == len(self.parts)
         activations = max(a for a, _ in figures)
         if complete and self.replayed is not None:
@@ -261,6 +266,16 @@ class CheckpointPlacement:
             if self._outside[index].activation_bytes > budget:
                 return True
         return False
+
+    def largest_op(self) -> int:
+        """The largest forward op's new outputs at any of the minibatch's shapes (bytes: the step
+        temporary ``largest_op`` a built configuration's check adds), read off the outside passes,
+        run here for the shapes not run yet (``costs`` takes them)."""
+        for index, (part, weight, _) in enumerate(self._distinct()):
+            if index not in self._outside:
+                with _own_random_streams(self.trainer):
+                    self._outside[index] = outside_pass(self.trainer, part, weight)
+        return max(outside.largest_op_bytes for outside in self._outside.values())
 
     @property
     def accountings(self) -> int:

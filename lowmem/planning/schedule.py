@@ -88,13 +88,37 @@ class ChainCosts:
     outside_peak: int  # the most held outside the stacks (head forward and backward), bytes
     outside_flops: int = 0  # FLOPs outside the stacks (stem, head, loss), forward and backward
     stack_indices: tuple[int, ...] = ()  # each stack's index in lowmem.residual.residual_stacks order
+    # Where the stacks above are runs of the model's stacks (chains whose blocks are not all called
+    # one after another, each on the previous one's output): each run's first block in its model
+    # stack, and the blocks of every model stack (``lowmem.residual.residual_stacks`` order). Empty:
+    # each stack above is a whole model stack.
+    stack_starts: tuple[int, ...] = ()
+    model_sizes: tuple[int, ...] = ()
 
     def in_model_order(self, schedules: Sequence[Sequence[Segment]]) -> list[tuple[Segment, ...]]:
-        """Schedules given in forward order, reordered as ``apply_schedule`` takes them."""
+        """Schedules given in forward order, reordered as ``apply_schedule`` takes them: per model
+        stack, its runs' segments in block order, a block no run holds stored."""
         indices = self.stack_indices or tuple(range(len(self.stack_sizes)))
-        ordered: list[tuple[Segment, ...]] = [()] * len(indices)
-        for index, schedule in zip(indices, schedules, strict=True):
-            ordered[index] = tuple(schedule)
+        if not self.stack_starts:
+            ordered: list[tuple[Segment, ...]] = [()] * len(indices)
+            for index, schedule in zip(indices, schedules, strict=True):
+                ordered[index] = tuple(schedule)
+            return ordered
+        runs: list[list[tuple[int, Sequence[Segment]]]] = [[] for _ in self.model_sizes]
+        for index, start, schedule in zip(indices, self.stack_starts, schedules, strict=True):
+            runs[index].append((start, schedule))
+        ordered = []
+        for size, placed in zip(self.model_sizes, runs, strict=True):
+            segments: list[Segment] = []
+            position = 0
+            for start, schedule in sorted(placed, key=lambda run: run[0]):
+                if start > position:
+                    segments.append(Segment(start - position))
+                segments.extend(schedule)
+                position = start + sum(segment.blocks for segment in schedule)
+            if position < size:
+                segments.append(Segment(size - position))
+            ordered.append(tuple(segments))
         return ordered
 
 

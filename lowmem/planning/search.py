@@ -36,7 +36,9 @@ temporaries that depend on density and microbatching (``lowmem.profiler.step_tem
 compact sparse positions as stored, a compact layer's dense weight and gradient, gradient
 accumulation), which a real step holds on top of the accounting; ``lowmem.plan`` then checks the
 chosen configuration built alone, with its largest op temporary too (``budget_total_bytes``).
-Model and optimizer bytes depend on density,
+``optimal``, whose schedules fill the activation budget they are given to the byte, is given the
+room less that temporary (read off its outside passes: the same under every schedule), or the check
+would skip every one of them. Model and optimizer bytes depend on density,
 precision and state bits only: counted per triple on the precision's trainer, without drawing
 masks or building an optimizer (``lowmem.profiler.account_state``; sparse weights as CSR).
 Activation bytes and FLOPs depend on precision, microbatch and checkpointing only: one model per
@@ -48,7 +50,9 @@ other knobs leave (a schedule that does not fit costs one fake pass, not one per
 reuses one ``CheckpointPlacement`` per trainer, which measures the blocks once and knows the
 smallest activations any schedule reaches there: the microbatch sizes that can fit are found by
 bisection on it. All of it is cached, and the search runs in preference order and stops once
-``plan.top`` configurations fit.
+``plan.top`` configurations fit. A configuration whose accounting raises, whatever the exception
+(a strategy the blocks cannot run, a block optimal cannot measure, a step neither a fake nor a real
+pass runs), is refused there, never chosen, and the reason kept (``refusals``).
 
 Microbatch sizes are ruled out first by what the model holds outside its residual stacks
 (``CheckpointPlacement.below_floor``, a lower bound of every schedule: one fake pass per shape,
@@ -68,6 +72,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import hydra
 import torch
@@ -78,7 +83,7 @@ from lowmem.config import QUANTIZED_STATE_BITS, ConfigError, compose, state_widt
 from lowmem.planning import ahead
 from lowmem.planning.optimal import AccountedSchedule, CheckpointPlacement, MinibatchAccounting, reusing_placement
 from lowmem.planning.reported import reported_metric
-from lowmem.profiler import MB, StateBytes, account_state, profile_trainer, step_temporaries
+from lowmem.profiler import MB, StateBytes, account_state, step_temporaries
 from lowmem.sharding import planned_gathered_bytes
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.compression import allowed_widths, apply_compression, compression_of, validate_compress
@@ -92,6 +97,7 @@ FIXED_STRATEGIES = (
     ("residual_star", 1), ("residual_star", 2), ("residual_star", 3), ("residual_star", 4),
 )  # fmt: skip
 # Command-line knobs the planner chooses; fixing one restricts the search to its value.
+T = TypeVar("T")
 SEARCHED = (
     "sparsity.density", "precision", "optim.state_bits", "microbatch.size", "checkpointing.strategy",
     "checkpointing.every", "checkpointing.compress", "checkpointing.offload", "trainer.gradient_sync",
@@ -241,8 +247,9 @@ class Planner:
         self._valid: dict[str, tuple[int | None, ...]] = {}
         self._placements: dict[tuple[str, int | None, int | None], CheckpointPlacement] = {}
         self._accountings: dict[tuple[str, int | None], MinibatchAccounting] = {}
-        self._refused: set[tuple[str, int | None, str, int | None]] = set()  # schedules the blocks cannot run
-        self._largest_ops: dict[tuple[str, int | None], int] = {}
+        # Schedules the blocks cannot run, or whose build or accounting raised, with why (a refused
+        # optimal: (precision, microbatch, "optimal", compress)); never chosen.
+        self._refused: dict[tuple[str, int | None, str, int | None], str] = {}
 
     def _state_bits_for(self, precision: str) -> tuple[int | None, ...]:
         """The optim.state_bits values searched with ``precision``, widest first (None: its width)."""
@@ -392,7 +399,7 @@ class Planner:
         return {
             "placement": None if placement is None else placement.found(),
             "figures": None if accounting is None else accounting.found(),
-            "refused": {refused for refused in self._refused if refused[:2] == key},
+            "refused": {refused: why for refused, why in self._refused.items() if refused[:2] == key},
         }
 
     def merge(self, precision: str, microbatch: int | None, data: dict, compress: int | None = None) -> None:
@@ -425,17 +432,21 @@ class Planner:
         microbatch = self._valid_sizes(precision)[-1]
         state = self.state_bytes(density, precision, bits)
         temporary = self.temporary_bytes(density, precision, microbatch)
-        if not self._optimal_allowed:
-            return [
-                self._fixed(density, precision, bits, microbatch, s, e, state, temporary=temporary)
-                for s, e in self.strategies
-            ]
         found = []
-        for compress in self.compressions:
-            least = self._placement(precision, microbatch, compress).smallest()
-            room = least.activation_bytes
-            found.append(self._optimal(density, precision, bits, microbatch, state, least, room, temporary, compress))
-        return found
+        for compress in self.compressions if self._optimal_allowed else ():
+            least = self._with_placement(precision, microbatch, compress, lambda placement: placement.smallest())
+            if least is not None:
+                room = least.activation_bytes
+                found.append(
+                    self._optimal(density, precision, bits, microbatch, state, least, room, temporary, compress)
+                )
+        if found:  # no fixed strategy goes below optimal's smallest
+            return found
+        return [
+            self._fixed(density, precision, bits, microbatch, s, e, state, temporary=temporary)
+            for s, e in self.strategies
+            if s != "optimal"
+        ]
 
     def overrides(self, candidate: Candidate) -> list[str]:
         """The overrides to add to the command line planned with (knobs it fixed are left out)."""
@@ -528,29 +539,26 @@ class Planner:
         temporary = self.temporary_bytes(density, precision, microbatch, sync)
         if room <= 0:
             return []
-        if compress is not None:
-            # Its schedules fill the room to the byte: the largest op's temporary, which the built
-            # configuration's check adds, is kept free too (else every one of them is skipped there).
-            room -= self._largest_op(precision, microbatch)
         # No schedule goes below optimal's smallest.
-        if self._optimal_allowed and not self._placement(precision, microbatch, compress).reaches(room):
+        reaches = self._with_placement(precision, microbatch, compress, lambda placement: placement.reaches(room))
+        if reaches is False:
             return []
+        optimal = self._with_placement(precision, microbatch, compress, lambda placement: _within(placement, room))
         if compress is not None:
-            accounted = self._placement(precision, microbatch, compress).cheapest(room)
-            if "bit" not in str(accounted.plan):  # compresses nothing: listed without compression
+            if optimal is None or "bit" not in str(optimal[0].plan):  # compresses nothing: listed without compression
                 return []
-            return [self._optimal(density, precision, bits, microbatch, state, accounted, room, temporary, compress)]
+            return [self._optimal(density, precision, bits, microbatch, state, *optimal, temporary, compress)]
         fitting = []
         for strategy, every in self.strategies:
             if strategy != "optimal":
                 candidate = self._fixed(density, precision, bits, microbatch, strategy, every, state, room, temporary)
                 if candidate is not None:
                     fitting.append(candidate)
-        if self._optimal_allowed:
-            accounted = self._placement(precision, microbatch, compress).cheapest(room)
+        if optimal is not None:
+            accounted = optimal[0]
             # A schedule that is one of the fixed patterns is listed under its simpler name only.
             if not any((c.activation_bytes, c.flops) == (accounted.activation_bytes, accounted.flops) for c in fitting):
-                fitting.append(self._optimal(density, precision, bits, microbatch, state, accounted, room, temporary))
+                fitting.append(self._optimal(density, precision, bits, microbatch, state, *optimal, temporary))
         return fitting
 
     @staticmethod
@@ -578,11 +586,17 @@ class Planner:
         try:
             apply_checkpointing(model, strategy, every)
         except ValueError:  # the blocks do not support it (no_bn / residual_star on any block)
-            self._refused.add(key)
+            self._refused[key] = ""
             return None
-        accounted = self._accounting(precision, microbatch).account(
-            (strategy, every), lambda: apply_checkpointing(model, strategy, every), above=room
-        )
+        try:
+            accounted = self._accounting(precision, microbatch).account(
+                (strategy, every), lambda: apply_checkpointing(model, strategy, every), above=room
+            )
+        except Exception as error:  # noqa: BLE001 - whatever stops it, the configuration is refused, not chosen
+            if ahead.in_child():
+                raise
+            self._refused[key] = _first_line(error)
+            return None
         if room is not None and accounted.activation_bytes > room:
             return None
         every = every if strategy in ("residual", "residual_star") else None
@@ -621,12 +635,12 @@ class Planner:
         sizes = self._valid_sizes(precision)
         if not self._optimal_allowed:
             return sizes
-        if self._placement(precision, sizes[-1]).below_floor(room):
+        if self._below_floor(precision, sizes[-1], room):
             return ()  # not even the smallest size (the likeliest answer where nothing fits: one probe)
         low, high = 0, len(sizes) - 1  # sizes[high:] fit; sizes[:low] do not
         while low < high:
             middle = (low + high) // 2
-            if not self._placement(precision, sizes[middle]).below_floor(room):
+            if not self._below_floor(precision, sizes[middle], room):
                 high = middle
             else:
                 low = middle + 1
@@ -722,7 +736,7 @@ class Planner:
                 try:
                     trainer = self._build(self.densities[0], precision, microbatch)
                     trainer.microbatches(trainer.example_batch())
-                except (ConfigError, ValueError):
+                except Exception:  # noqa: BLE001 - any refusal of a microbatch size skips that size
                     if microbatch is None:  # the command line's own configuration fails: the user's error
                         raise
                     trainer = None  # only the microbatch size differs: token microbatches too small for a pair
@@ -735,15 +749,38 @@ class Planner:
             self._trainers[key] = trainer
         return self._trainers[key]
 
-    def _largest_op(self, precision: str, microbatch: int | None) -> int:
-        """The largest forward op's new outputs at (precision, microbatch), bytes (``largest_op_bytes``:
-        the same under every schedule, as recomputation runs in backward)."""
-        key = (precision, microbatch)
-        if key not in self._largest_ops:
-            trainer = self._trainer_for(precision, microbatch)
-            with torch.random.fork_rng():
-                self._largest_ops[key] = profile_trainer(trainer, measure=False).step_temporaries["largest_op"]
-        return self._largest_ops[key]
+    def _below_floor(self, precision: str, microbatch: int | None, room: int) -> bool:
+        """``CheckpointPlacement.below_floor`` at (precision, microbatch); False where the pass it
+        takes is refused (no bound known: the strategies are accounted one by one)."""
+        below = self._with_placement(precision, microbatch, None, lambda placement: placement.below_floor(room))
+        return bool(below)
+
+    def _with_placement(
+        self, precision: str, microbatch: int | None, compress: int | None, ask: Callable[[CheckpointPlacement], T]
+    ) -> T | None:
+        """``ask(placement)`` of optimal at (precision, microbatch, compress); None where optimal is not
+        searched, or is refused there: whatever its measurement raises (a block it cannot measure, a
+        step fake and real passes cannot run) refuses optimal at that configuration, never the plan."""
+        key = (precision, microbatch, "optimal", compress)
+        if not self._optimal_allowed or key in self._refused:
+            return None
+        try:
+            return ask(self._placement(precision, microbatch, compress))
+        except Exception as error:  # noqa: BLE001 - whatever stops it, the configuration is refused, not chosen
+            if ahead.in_child():
+                raise
+            self._refused[key] = _first_line(error)
+            return None
+
+    def refusals(self) -> list[str]:
+        """Why configurations were refused during the search, one line per distinct reason (the
+        strategies a model's blocks do not support, refused silently, left out)."""
+        lines: dict[tuple[str, str], None] = {}
+        for (_, _, strategy, every), why in self._refused.items():
+            if why:
+                label = strategy if strategy == "optimal" or every is None else f"{strategy} every {every}"
+                lines[(label, why)] = None
+        return [f"checkpointing.strategy={label}: {why}" for label, why in lines]
 
     def _placement(self, precision: str, microbatch: int | None, compress: int | None = None) -> CheckpointPlacement:
         """The placement at (precision, microbatch) with compression down to ``compress``, and offloading
@@ -771,6 +808,20 @@ def link_price(trainer: Trainer) -> float:
     """The host link's price for ``trainer``'s device and compute dtype, in FLOPs per byte."""
     policy = trainer.policy
     return link_flops_per_byte(trainer.device, policy.autocast_dtype or policy.param_dtype)
+
+
+def _within(placement: CheckpointPlacement, room: int) -> tuple[AccountedSchedule, int] | None:
+    """Optimal's cheapest schedule whose activations fit ``room`` bytes with the step's largest op
+    beside them, and the activation budget it was planned for; None when none fits. Its schedules
+    fill their budget to the byte, and a built configuration's check adds that temporary: without
+    it every one of them would be skipped there."""
+    budget = room - placement.largest_op()
+    return (placement.cheapest(budget), budget) if placement.reaches(budget) else None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 def _quantization(bits: int | None) -> int:

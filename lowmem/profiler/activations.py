@@ -36,6 +36,9 @@ autograd nodes of op inputs (their pre- and post-hooks report activation gradien
 recomputed outputs. Lifetimes are those of the real execution: a tensor held by a Python variable
 inside a custom backward stays counted until released.
 
+A step fake tensors cannot run (shapes that depend on values, a mixture of experts' routing; an op
+fake tensors refuse) is accounted the same way on real tensors (``lowmem.profiler.real_passes``).
+
 Limits: a custom Function must save through ``ctx.save_for_backward`` (a tensor kept as a ``ctx``
 attribute is invisible); non-reentrant ``torch.utils.checkpoint`` installs its own saved-tensor
 hooks, which hide its tensors: use reentrant checkpointing (lowmem's, or ``use_reentrant=True``).
@@ -46,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import math
 import weakref
 from collections import Counter
@@ -61,6 +65,8 @@ from torch.autograd.graph import Node
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
+
+from lowmem.profiler.real_passes import fake_pass_limit, note_real_passes, real_pass, real_pass_reason
 
 # Autograd nodes whose own saved tensor is only needed as a sign mask (1 bit per element).
 _ONE_BIT_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
@@ -606,11 +612,25 @@ def maybe_fake(model: nn.Module | None, fake: bool) -> Iterator[FakeTensorMode |
         return
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with contextlib.ExitStack() as stack:
+        # An op fake tensors refuse raises (``lowmem.profiler.real_passes`` sorts it out); torch's
+        # own traceback of it in the log is noise.
+        stack.enter_context(_quiet(logging.getLogger("torch._subclasses.fake_tensor")))
         if model is not None:
             stack.enter_context(fake_model(model, mode))
         stack.enter_context(mode)
         stack.enter_context(_OnCpuStandIns(mode))
         yield mode
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    """``logger``'s errors left out of the log inside."""
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def model_state(model: nn.Module | None) -> list[torch.Tensor]:
@@ -631,12 +651,29 @@ def account_activations(
     model: its parameters and buffers are not activations; with ``fake`` they are swapped for fake
         CPU tensors, so the step runs without computing (about a second for WRN-28-2, whose FP16
         CPU convolutions would take ~20 s), and gives the same figure for a model on any device.
-        ``run_step`` must then not read tensor values (no ``.item()``, no data-dependent control
-        flow); pass ``fake=False`` for such a step.
+        A step fake tensors cannot run (shapes that depend on values: a mixture of experts'
+        routing, ``.item()``; an op fake tensors refuse) runs on real tensors instead, with the
+        model's training state kept (``lowmem.profiler.real_passes``); ``fake=False`` asks for that
+        from the start, without keeping the state.
     inputs: when given, ``run_step(inputs)`` is called with the tensors of ``inputs`` (any nesting
         of lists, tuples and dicts) as fake CPU tensors, so that device-dependent choices inside the
         step (autocast's device, say) follow the fake pass; else ``run_step()``.
     """
+    if fake and model is not None:
+        reason = real_pass_reason(model)
+        if reason is None:
+            try:
+                return _accounted(run_step, model, True, inputs)
+            except Exception as error:  # noqa: BLE001 - sorted below: fake tensors' limit, or the step's error
+                reason = fake_pass_limit(error, model)
+                if reason is None:
+                    raise
+                note_real_passes(model, reason)
+        return real_pass(model, lambda: _accounted(run_step, model, False, inputs), reason)
+    return _accounted(run_step, model, fake, inputs)
+
+
+def _accounted(run_step: Callable[..., object], model: nn.Module | None, fake: bool, inputs: Any) -> ActivationTrace:
     with maybe_fake(model, fake) as mode:
         if inputs is not None and mode is not None:
             inputs = tree_map_only(torch.Tensor, functools.partial(cpu_fake, mode), inputs)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from lowmem.profiler.real_passes import real_pass_reason
 from lowmem.profiler.report import MemoryReport, Microbatch, profile_step
 
 # Every field of the JSON row (``python -m lowmem.profile``'s last stdout line, ``profile.json``,
@@ -29,6 +30,9 @@ ROW_FIELDS = {
     "total_bytes": "`model_bytes` + `optimizer_bytes` + `activation_bytes`: the report's figure.",
     "activation_at_peak": "`activation_bytes` by kind (saved, recomputed, gradient) at the activation peak.",
     "activation_location": "Where the activation peak happens (the module and the pass).",
+    "activation_pass": "What the accounting ran on: `fake tensors` (shapes, no compute), or `real tensors: <why>` "
+    "where a fake pass cannot run (a mixture of experts' routing: shapes that depend on values; an op fake tensors "
+    "refuse), with why and where; the figures are then those of the profiled minibatch's values.",
     "activation_saved_bytes": "The most saved-for-backward bytes alive at once (no gradients).",
     "compressed_bytes": "Of `activation_saved_bytes`, the bytes stored compressed (`checkpointing.compress`), at "
     "their stored size (0: nothing compressed).",
@@ -61,6 +65,10 @@ ROW_FIELDS = {
     "flops": "FLOPs of one minibatch: forward + backward + recomputation.",
     "params": "Parameters, counted dense.",
     "nonzero_params": "Parameters counting only the active positions of sparse weights.",
+    "dense_weights": "With `sparsity.density` < 1: every multiplying weight (of a Linear, convolution, "
+    "transformers `Conv1D`, experts module or router) left dense, by name, with why: `frozen`, `router`, "
+    "`first layer`, `last layer`, `zero-initialised`, a layer class lowmem cannot run sparse, or `left out by the "
+    "rule` (the recipe's, `sparsity.include` / `exclude`). Empty when dense.",
     "seconds": "Time spent per measurement (accounting and FLOPs, the measured step).",
     "batch_shapes": "The profiled minibatch's tensor shapes by key: the global minibatch (each rank under torchrun "
     "profiles its share).",
@@ -103,6 +111,7 @@ def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> Me
         owners=(trainer, batch),  # the run's tensors, not those of whoever profiles it
         arithmetic=trainer.arithmetic() if measure else None,
         host_bytes=_offload_pool_bytes(trainer),
+        dense_weights=trainer.sparsity.dense_weights if trainer.sparsity is not None else None,
     )
 
 
@@ -135,9 +144,11 @@ def profile_row(trainer: Any, measure: bool) -> tuple[MemoryReport, dict[str, An
     """Profile ``trainer``'s first minibatch: the report and its JSON row (with the batch's shapes:
     the global minibatch, of which each rank under torchrun profiles its share)."""
     batch = trainer.example_batch()
-    report = profile_trainer(trainer, measure=measure, batch=batch)
+    report = profile_trainer(trainer, measure=measure, batch=batch)  # UnaccountableStep: a refusal (one line)
+    reason = real_pass_reason(trainer.unwrapped_model)
     row = {
         **report.to_json(),
+        "activation_pass": "fake tensors" if reason is None else f"real tensors: {reason}",
         "batch_shapes": batch_shapes(batch),
         "device": str(trainer.device),
         "cpu_compute": trainer.cpu_compute_record(),

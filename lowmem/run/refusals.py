@@ -1,7 +1,8 @@
 """What a refusal is, and how a command line prints one: one line on stderr, no traceback, exit 1.
 
 A refusal is a message for the user, who can act on it: ``ConfigError`` (a knob's value cannot
-work), ``RunRefused`` (the run directory or a file it needs cannot be used) or a recipe's
+work), ``RunRefused`` (the run directory or a file it needs cannot be used), ``UnaccountableStep``
+(neither a fake nor a real pass can account the step: it names the module and the knob) or a recipe's
 ``DataUnavailableError`` (its data set is missing). ``HYDRA_FULL_ERROR=1`` shows the full
 traceback as for any other error; genuine bugs always get theirs.
 """
@@ -13,6 +14,7 @@ import sys
 from typing import NoReturn
 
 from lowmem.config import ConfigError
+from lowmem.profiler.real_passes import UnaccountableStep
 
 
 class RunRefused(Exception):
@@ -20,7 +22,7 @@ class RunRefused(Exception):
     writable, a checkpoint that cannot be read); the message names the knob or the file."""
 
 
-REFUSALS = (ConfigError, RunRefused)
+REFUSALS = (ConfigError, RunRefused, UnaccountableStep)
 EXIT_REFUSED = 1
 
 
