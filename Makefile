@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(PY) scripts/table4_memory.py
 	$(PY) scripts/optimal_curve.py
 	$(PY) scripts/bench_your_model.py
+	$(PY) scripts/bench_side_outputs.py
 	$(PY) scripts/bench_state_bits.py --part bytes
 	$(PY) scripts/bench_state_bits.py --part blocks
 	$(PY) scripts/bench_compress.py --part memory

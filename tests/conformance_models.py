@@ -78,6 +78,32 @@ def hugging_face_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return model(**batch).loss
 
 
+def attention_entropy_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """A transformers model's loss plus an entropy penalty on its attention maps (``output_attentions``):
+    a loss on tensors the layers hand out by hooks, not by their outputs."""
+    out = model(**batch, output_attentions=True)
+    maps = [a.to(torch.promote_types(a.dtype, torch.float32)) for a in out.attentions]  # 16-bit: in FP32
+    return out.loss + 0.1 * sum(-(a * a.clamp_min(1e-12).log()).sum(-1).mean() for a in maps)
+
+
+def _capture_output(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    """A user's forward hook keeping a block's inner feature for the loss (feature distillation)."""
+    module.captured = output
+
+
+def _with_hooked_mlps(model: nn.Module) -> nn.Module:
+    for layer in model.model.layers:
+        layer.mlp.register_forward_hook(_capture_output)
+    return model
+
+
+def hooked_feature_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The model's loss plus a penalty on the features its forward hooks captured inside the blocks."""
+    loss = model(**batch).loss
+    features = [module.__dict__.pop("captured") for module in model.modules() if "captured" in module.__dict__]
+    return loss + 0.5 * sum(f.pow(2).mean() for f in features)
+
+
 def _transformers() -> list[ConformanceModel]:
     import transformers as hf
 
@@ -96,6 +122,14 @@ def _transformers() -> list[ConformanceModel]:
     vit = hf.ViTConfig(num_hidden_layers=3, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                        image_size=32, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                        num_labels=10)
+    # Its router's load-balancing loss on (collected by transformers' hooks inside each layer); eager
+    # experts: the grouped ones have no FP64 kernel on a CPU.
+    mixtral = hf.MixtralConfig(num_hidden_layers=3, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                               num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                               max_position_embeddings=16, output_router_logits=True, router_aux_loss_coef=0.05,
+                               experts_implementation="eager", bos_token_id=0, eos_token_id=1, pad_token_id=1,
+                               **small)
+    eager_llama = hf.LlamaConfig(**{**llama.to_dict(), "attn_implementation": "eager"})
     return [
         ConformanceModel("gpt2", "transformers", _seeded(lambda: hf.GPT2LMHeadModel(gpt2)), hugging_face_loss,
                          _tokens()),
@@ -107,6 +141,13 @@ def _transformers() -> list[ConformanceModel]:
                          hugging_face_loss, _tokens()),
         ConformanceModel("vit", "transformers", _seeded(lambda: hf.ViTForImageClassification(vit)), classify,
                          _images()),
+        ConformanceModel("mixtral router loss", "transformers", _seeded(lambda: hf.MixtralForCausalLM(mixtral)),
+                         hugging_face_loss, _tokens()),
+        ConformanceModel("llama attention loss", "transformers", _seeded(lambda: hf.LlamaForCausalLM(eager_llama)),
+                         attention_entropy_loss, _tokens()),
+        ConformanceModel("llama hooked features", "transformers",
+                         _seeded(lambda: _with_hooked_mlps(hf.LlamaForCausalLM(llama))), hooked_feature_loss,
+                         _tokens()),
     ]
 
 
@@ -134,10 +175,57 @@ def _timm() -> list[ConformanceModel]:
     ]
 
 
+def denoising_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """A diffusion model's noise-prediction loss: (noisy images, timesteps, noise)."""
+    images, timesteps, noise = batch
+    return F.mse_loss(model(images, timesteps).sample, noise)
+
+
+def _noisy_images(examples: int = 4, size: int = 16) -> Callable[[], tuple[torch.Tensor, ...]]:
+    def batch() -> tuple[torch.Tensor, ...]:
+        generator = torch.Generator().manual_seed(1)
+        return (torch.randn(examples, 3, size, size, generator=generator),
+                torch.randint(0, 1000, (examples,), generator=generator),
+                torch.randn(examples, 3, size, size, generator=generator))
+
+    return batch
+
+
+def _diffusers() -> list[ConformanceModel]:
+    from diffusers import UNet2DModel
+
+    logging.getLogger("diffusers").setLevel(logging.ERROR)
+
+    def unet() -> nn.Module:
+        # Its down and up blocks are called with keyword arguments only.
+        return UNet2DModel(sample_size=16, in_channels=3, out_channels=3, layers_per_block=1,
+                           block_out_channels=(16, 32), down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                           up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8, attention_head_dim=8,
+                           dropout=0.0)
+
+    return [ConformanceModel("unet2d", "diffusers", _seeded(unet), denoising_loss, _noisy_images())]
+
+
+def _peft() -> list[ConformanceModel]:
+    import peft
+    import transformers as hf
+
+    llama = hf.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           num_key_value_heads=1, max_position_embeddings=16, bos_token_id=0, eos_token_id=1,
+                           pad_token_id=1, vocab_size=96)
+
+    def lora() -> nn.Module:
+        base = hf.LlamaForCausalLM(llama)
+        return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                         lora_dropout=0.0))
+
+    return [ConformanceModel("lora llama", "peft", _seeded(lora), hugging_face_loss, _tokens())]
+
+
 def conformance_models() -> list[ConformanceModel]:
     """Every model of the suite whose library is installed (``pip install -e '.[models]'``)."""
     found: list[ConformanceModel] = []
-    for library in (_transformers, _timm):
+    for library in (_transformers, _timm, _diffusers, _peft):
         try:
             found.extend(library())
         except ImportError:
