@@ -19,16 +19,13 @@ from lowmem.techniques.checkpointing import apply_checkpointing, apply_schedule
 from lowmem.techniques.recomputation import Segment
 from lowmem.techniques.side_outputs import ForwardWatch, RecomputeCollect, one_op
 from recipes.wrn_cifar.model import WideResNet
+from tests.test_checkpointing_real_models import SGD
+from tests.test_checkpointing_real_models import STRATEGIES as CHECKPOINTING
 
 transformers = pytest.importorskip("transformers")
 
-SGD = ["precision=fp64", "trainer.device=cpu", "optim.name=sgd", "optim.lr=0.1", "optim.momentum=0",
-       "optim.nesterov=false", "optim.weight_decay=0"]  # fmt: skip
-STRATEGIES = {
-    "residual": ["checkpointing.strategy=residual"],
-    "residual_star": ["checkpointing.strategy=residual_star"],
-    "optimal": ["checkpointing.strategy=optimal", "checkpointing.budget_mb=1e-3"],
-}
+# optimal at a budget below its floor: lowmem_step takes the smallest the refusal names.
+STRATEGIES = {**CHECKPOINTING, "optimal": ["checkpointing.strategy=optimal", "checkpointing.budget_mb=1e-3"]}
 
 
 def mixtral() -> nn.Module:

@@ -84,6 +84,7 @@ from lowmem.planning import ahead
 from lowmem.planning.optimal import AccountedSchedule, CheckpointPlacement, MinibatchAccounting, reusing_placement
 from lowmem.planning.reported import reported_metric
 from lowmem.profiler import MB, StateBytes, account_state, step_temporaries
+from lowmem.profiler.activations import quieted
 from lowmem.sharding import planned_gathered_bytes
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.compression import allowed_widths, apply_compression, compression_of, validate_compress
@@ -829,13 +830,6 @@ def _quantization(bits: int | None) -> int:
     return 0 if bits is None else QUANTIZED_STATE_BITS.index(bits) + 1
 
 
-@contextlib.contextmanager
-def _quiet_builds() -> Iterator[None]:
+def _quiet_builds() -> contextlib.AbstractContextManager:
     """The search builds dozens of trainers: their start-up lines are not the user's news."""
-    logger = logging.getLogger("lowmem")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    return quieted(logging.getLogger("lowmem"), logging.WARNING)

@@ -614,7 +614,7 @@ def maybe_fake(model: nn.Module | None, fake: bool) -> Iterator[FakeTensorMode |
     with contextlib.ExitStack() as stack:
         # An op fake tensors refuse raises (``lowmem.profiler.real_passes`` sorts it out); torch's
         # own traceback of it in the log is noise.
-        stack.enter_context(_quiet(logging.getLogger("torch._subclasses.fake_tensor")))
+        stack.enter_context(quieted(logging.getLogger("torch._subclasses.fake_tensor")))
         if model is not None:
             stack.enter_context(fake_model(model, mode))
         stack.enter_context(mode)
@@ -623,14 +623,14 @@ def maybe_fake(model: nn.Module | None, fake: bool) -> Iterator[FakeTensorMode |
 
 
 @contextlib.contextmanager
-def _quiet(logger: logging.Logger) -> Iterator[None]:
-    """``logger``'s errors left out of the log inside."""
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+def quieted(logger: logging.Logger, level: int = logging.CRITICAL) -> Iterator[None]:
+    """``logger``'s records below ``level`` left out of the log inside (default: its errors too)."""
+    before = logger.level
+    logger.setLevel(level)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(before)
 
 
 def model_state(model: nn.Module | None) -> list[torch.Tensor]:
