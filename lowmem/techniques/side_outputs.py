@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -105,19 +106,17 @@ class _Numbering(TorchFunctionMode):
     mode on or off (autograd adds aten ops of its own below them: the detaches and clones of the
     tensors it saves)."""
 
-    _active: list[_Numbering] = []  # innermost last
-
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
         self.paused = 0
 
     def __enter__(self) -> _Numbering:
-        _Numbering._active.append(self)
+        _active().append(self)  # as torch's mode stack: per thread
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        _Numbering._active.remove(self)
+        _active().remove(self)
         super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -131,10 +130,20 @@ class _Numbering(TorchFunctionMode):
         raise NotImplementedError
 
 
+_THREAD = threading.local()
+
+
+def _active() -> list[_Numbering]:
+    """This thread's numbering modes, innermost last."""
+    if not hasattr(_THREAD, "modes"):
+        _THREAD.modes = []
+    return _THREAD.modes
+
+
 def one_op(compute: Callable[[], Any], *inputs: torch.Tensor) -> Any:
     """``compute()``, which lowmem computes by other ops in forward and in recomputation (the fused
     BatchNorm-ReLU-conv paths), numbered as one op of ``inputs`` by the watch around it, if any."""
-    watching = _Numbering._active[-1] if _Numbering._active else None
+    watching = _active()[-1] if _active() else None
     if watching is None:
         return compute()
     watching.paused += 1
