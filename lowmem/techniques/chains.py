@@ -25,7 +25,9 @@ e.g. a mask), and backward recomputes:
   inputs without a graph and holds them; each block then rebuilds its own graph from its input,
   backpropagates it and drops it.
 
-A block may return a tensor or a tuple, list, dict or ModelOutput of tensors and other values
+A block called with keyword arguments only (diffusers' ``down_block(hidden_states=h, temb=emb)``)
+is called with its forward's first parameter moved to the front, which binds it alike. A block may
+return a tensor or a tuple, list, dict or ModelOutput of tensors and other values
 (T5's layers return ``(hidden, position_bias, None)``): the first tensor is the one chained to the
 next block, every tensor is an output of the autograd node (a position bias later blocks read gets
 its gradient), and the structure is returned as the block returned it.
@@ -39,8 +41,10 @@ updates to scratch buffers, so statistics are updated exactly once per forward (
 and the BatchNorm recomputation of ``residual_star`` apply to blocks whose BatchNorm-ReLU-conv
 triples ``lowmem.techniques.norm_routing`` finds.
 
-Checkpointing cannot be silently wrong (``lowmem.techniques.block_checks``), checked once per
-block and input shape:
+Checkpointing cannot be silently wrong. Every tensor a block lets out other than by its output (a
+hook's router logits or attention maps, a tensor a module stores) is an output of its autograd node
+too, found in every forward (``lowmem.techniques.side_outputs``), so its gradient flows through the
+recomputation. And (``lowmem.techniques.block_checks``), checked once per block and input shape:
 
 - a block that changes its input or a context tensor in place, or an object passed into it (a
   key/value cache it appends to: found by a bounded walk of the argument's attributes and items
