@@ -29,6 +29,11 @@ Strategies (``checkpointing.strategy``, with ``checkpointing.every=m``):
   recomputation. The four strategies above are the uniform schedules; ``lowmem.planning`` chooses
   one per stack by dynamic programming under an activation budget.
 
+A tensor a block of a checkpointed segment lets out other than by its output (stored on a module,
+collected by a hook; a block output inside the segment that is also kept elsewhere) is an extra
+output of the segment's autograd node, found in every forward and again in the recomputation
+(``lowmem.techniques.side_outputs``): its gradient flows like the output's.
+
 Recomputation replays the RNG state (identical dropout masks) and the autocast state, and sends
 BatchNorm running-statistic updates to scratch copies, so the statistics are updated exactly once
 per forward (SPEC §6). Both recomputations are custom ``autograd.Function``s rather than
