@@ -20,6 +20,7 @@ from lowmem.config import ConfigError
 from lowmem.planning import ahead
 from lowmem.planning.search import Candidate, Planner
 from lowmem.profiler import MB, MemoryReport, profile_row
+from lowmem.profiler.real_passes import first_line
 
 
 class NothingFits(ConfigError):
@@ -103,7 +104,7 @@ def plan_search(
                 # The search's schedule does not stand for this build: its checkpoints placed afresh.
                 report, row = profile_row(planner.build_chosen(chosen, reuse=False), verify)
         except Exception as refusal:  # noqa: BLE001 - lowmem.prepare / lowmem.train refuse it, however: never chosen
-            why = str(refusal).strip().splitlines()[0] if str(refusal).strip() else type(refusal).__name__
+            why = first_line(refusal)
             say(f"(#{found.index(chosen) + 1} refused when built: {why}: skipped)")
             refused.append(f"{' '.join(planner.overrides(chosen))}: {why}")
             continue

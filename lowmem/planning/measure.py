@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_u
 from lowmem.planning.schedule import BlockCosts, ChainCosts
 from lowmem.profiler import ActivationTrace, ActivationTracer
 from lowmem.profiler.activations import cpu_fake, maybe_fake, model_state
-from lowmem.profiler.real_passes import fake_pass_limit, note_real_passes, real_pass, real_pass_reason
+from lowmem.profiler.real_passes import noted_fake_pass_limit, real_pass, real_pass_reason
 from lowmem.profiler.step import distinct_microbatches
 from lowmem.residual import residual_stacks, routes_norm_relu_conv, run_sequentially, set_block_executor
 from lowmem.techniques.chains import find_block_chains, install_chains, installed_runners
@@ -207,10 +207,9 @@ class FakePasses:
                     if isinstance(tensor, torch.Tensor):
                         tensor.grad = None
         except Exception as error:  # noqa: BLE001 - sorted here: fake tensors' limit, or the step's error
-            reason = fake_pass_limit(error, self.model)
+            reason = noted_fake_pass_limit(error, self.model)
             if reason is None:
                 raise
-            note_real_passes(self.model, reason)
             self._stack.close()  # the real parameters back
             self.reason = reason
             raise FakePassStopped(reason) from error

@@ -85,6 +85,7 @@ from lowmem.planning.optimal import AccountedSchedule, CheckpointPlacement, Mini
 from lowmem.planning.reported import reported_metric
 from lowmem.profiler import MB, StateBytes, account_state, step_temporaries
 from lowmem.profiler.activations import quieted
+from lowmem.profiler.real_passes import first_line
 from lowmem.sharding import planned_gathered_bytes
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.compression import allowed_widths, apply_compression, compression_of, validate_compress
@@ -821,8 +822,9 @@ def _within(placement: CheckpointPlacement, room: int) -> tuple[AccountedSchedul
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+    """``ValueError: <the first line of its message>`` (the class name alone without one)."""
+    line = first_line(error)
+    return line if line == type(error).__name__ else f"{type(error).__name__}: {line}"
 
 
 def _quantization(bits: int | None) -> int:

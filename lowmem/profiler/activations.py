@@ -66,7 +66,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
-from lowmem.profiler.real_passes import fake_pass_limit, note_real_passes, real_pass, real_pass_reason
+from lowmem.profiler.real_passes import noted_fake_pass_limit, real_pass, real_pass_reason
 
 # Autograd nodes whose own saved tensor is only needed as a sign mask (1 bit per element).
 _ONE_BIT_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
@@ -665,10 +665,9 @@ def account_activations(
             try:
                 return _accounted(run_step, model, True, inputs)
             except Exception as error:  # noqa: BLE001 - sorted below: fake tensors' limit, or the step's error
-                reason = fake_pass_limit(error, model)
+                reason = noted_fake_pass_limit(error, model)
                 if reason is None:
                     raise
-                note_real_passes(model, reason)
         return real_pass(model, lambda: _accounted(run_step, model, False, inputs), reason)
     return _accounted(run_step, model, fake, inputs)
 

@@ -83,7 +83,7 @@ def fake_pass_limit(error: BaseException, model: nn.Module | None = None) -> str
         GuardOnDataDependentSymNode: "control flow on a value",
     }.get(type(error), "an op fake tensors do not run")
     where = failing_module(error, model)
-    return f"{_first_line(error)} ({what}){f' in {where}' if where else ''}"
+    return f"{first_line(error)} ({what}){f' in {where}' if where else ''}"
 
 
 def failing_module(error: BaseException, model: nn.Module | None) -> str | None:
@@ -99,6 +99,15 @@ def failing_module(error: BaseException, model: nn.Module | None) -> str | None:
             found = names[id(owner)]
         tb = tb.tb_next
     return found
+
+
+def noted_fake_pass_limit(error: BaseException, model: nn.Module) -> str | None:
+    """``fake_pass_limit(error, model)``; when it is one, ``model`` is noted (``note_real_passes``):
+    its passes run on real tensors from now on. None: the step's own error, to raise as it is."""
+    reason = fake_pass_limit(error, model)
+    if reason is not None:
+        note_real_passes(model, reason)
+    return reason
 
 
 def note_real_passes(model: nn.Module, reason: str) -> None:
@@ -148,10 +157,11 @@ def real_pass(model: nn.Module, run: Callable[[], T], reason: str) -> T:
             fix = f"a real step fails alike: the model does not run in {dtype} as configured (another precision=...)"
         raise UnaccountableStep(
             f"lowmem cannot account {type(model).__name__}'s step: fake tensors stop at {reason}, and a real pass on "
-            f"{device} fails{f' in {where}' if where else ''}: {_first_line(error)}; {fix}"
+            f"{device} fails{f' in {where}' if where else ''}: {first_line(error)}; {fix}"
         ) from error
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, or its class name when it has none."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__

@@ -657,8 +657,7 @@ class DynamicSparsity:
     def _random_mask(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """A mask with exactly round(density · numel) True entries at uniformly random positions; of
         stacked matrices, that many in each matrix."""
-        matrices = matrix_count(weight.shape) if name in self._stacked else 1
-        size = weight.numel() // matrices
+        matrices, size = self._matrices(name, weight)
         active = self._active_count(name, size)
         mask = torch.zeros(matrices, size, dtype=torch.bool)
         for matrix in mask:
@@ -668,11 +667,16 @@ class DynamicSparsity:
     def _largest_mask(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """A frozen weight's mask: its round(density · numel) largest entries by magnitude (of stacked
         matrices, in each matrix); ties go to the first positions."""
-        matrices = matrix_count(weight.shape) if name in self._stacked else 1
-        size = weight.numel() // matrices
+        matrices, size = self._matrices(name, weight)
         order = weight.detach().float().abs().reshape(matrices, size).argsort(dim=1, descending=True, stable=True)
         mask = torch.zeros(matrices, size, dtype=torch.bool, device=weight.device)
         return mask.scatter_(1, order[:, : self._active_count(name, size)], True).view(weight.shape)
+
+    def _matrices(self, name: str, weight: torch.Tensor) -> tuple[int, int]:
+        """How many matrices the weight ``name`` holds (stacked matrices: many; any other: one), and the
+        entries of each."""
+        matrices = matrix_count(weight.shape) if name in self._stacked else 1
+        return matrices, weight.numel() // matrices
 
     def _active_count(self, name: str, size: int) -> int:
         """round(density · size) active entries of ``size`` (a weight's, or one of its matrices'), at least 1."""
