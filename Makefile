@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_your_model.py
 	$(PY) scripts/bench_side_outputs.py
 	$(PY) scripts/moe_sparse_memory.py
+	$(PY) scripts/plan_moe_unet.py
 	$(PY) scripts/bench_state_bits.py --part bytes
 	$(PY) scripts/bench_state_bits.py --part blocks
 	$(PY) scripts/bench_compress.py --part memory

@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lowmem  # noqa: E402
+from lowmem.run.files import measured_on  # noqa: E402
 from tests.test_plan_moe_unet import (  # noqa: E402
     denoising_loss,
     language_model_loss,
@@ -61,6 +62,7 @@ def row(name: str, fixed: list[str]) -> str:
 
 def main() -> None:
     torch.set_num_threads(2)
+    print(measured_on("cpu"))
     print("| model | fixed | plain peak (MB) | budget (MB) | chosen | accounted + step temporaries (MB) "
           "| measured peak (MB) | peak / budget | plan (s) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
