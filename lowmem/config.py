@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from lowmem.libraries import WORKSPACES
 from lowmem.techniques.compression import validate_compress
 from lowmem.techniques.cpu_compute import CPU_COMPUTE
+from lowmem.techniques.head_loss import validate_chunk_tokens
 from lowmem.techniques.precision import PRECISIONS
 from lowmem.techniques.replay import CUDA_GRAPHS
 
@@ -276,6 +277,20 @@ class CheckpointingConfig:
 
 
 @dataclass
+class LossConfig:
+    """The output layer and its cross-entropy: a language model's largest activation (its logits)."""
+
+    chunk_tokens: Any = knob(
+        "auto",
+        "`auto`, `none` or a number of tokens: the output layer and its cross-entropy computed that many tokens at a "
+        "time in forward (and a slice of the vocabulary at a time in backward), saving only the hidden states and one "
+        "FP32 log-sum-exp per token, never the logits. `auto`: chunked when the FP32 logits would exceed 8 MiB, each "
+        "chunk's logits at most max(4 MiB, the hidden states' size). Applies where a model's loss reads its output "
+        "layer's logits: the DynamicConv recipe and `transformers` models trained from `labels=`.",
+    )
+
+
+@dataclass
 class TrainerConfig:
     """The run: its length, device, resumption, logging and the CUDA libraries' settings."""
 
@@ -392,6 +407,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     microbatch: MicrobatchConfig = field(default_factory=MicrobatchConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
@@ -646,6 +662,7 @@ def validate(cfg: DictConfig | Config) -> None:
     name_list(cfg.checkpointing.blocks, "checkpointing.blocks")
     try:
         validate_compress(cfg.checkpointing.compress)
+        validate_chunk_tokens(cfg.loss.chunk_tokens)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     _require(

@@ -54,6 +54,8 @@ from lowmem.techniques.compression import allowed_widths, apply_compression, com
 from lowmem.techniques.convolutions import tune_convolutions
 from lowmem.techniques.cpu_compute import choices as cpu_compute_choices
 from lowmem.techniques.cpu_compute import context_for, summary
+from lowmem.techniques.head_loss import install as install_head_loss
+from lowmem.techniques.head_loss import validate_chunk_tokens
 from lowmem.techniques.microbatch import apply_simulated_microbatching, no_sync_except_last
 from lowmem.techniques.offload import apply_offload, link_flops_per_byte, offload_of
 from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
@@ -835,6 +837,10 @@ def apply_techniques(
                 storage=cfg.sparsity.storage,
                 init=recipe.sparse_init,
             )
+    # 4b. The head and the loss: the output layer and its cross-entropy a chunk of tokens at a
+    #     time (lowmem.techniques.head_loss); the model's own modules keep their weights and ties.
+    #     Not under FSDP2, whose gathered head weight is gone by the time the loss's backward runs.
+    install_head_loss(model, _chunk_setting(cfg))
     # 5. Checkpointing last among the model transforms: it changes how blocks are *run* (a model's
     #    declared residual stacks, or the chains of blocks found in any model), so it wraps
     #    whatever the blocks have become. `optimal` places checkpoints for this rank's first
@@ -916,6 +922,20 @@ def apply_techniques(
             cfg.checkpointing.every,
         )
     return trainer
+
+
+def _chunk_setting(cfg: DictConfig) -> int | str | None:
+    """``loss.chunk_tokens`` as this run applies it: ``auto`` is off under ``trainer.parallel=fsdp``,
+    where a number of tokens is refused."""
+    setting = validate_chunk_tokens(cfg.loss.chunk_tokens)
+    if cfg.trainer.parallel != "fsdp" or setting is None:
+        return setting
+    if setting == "auto":
+        return None
+    raise ConfigError(
+        f"loss.chunk_tokens={setting} is not allowed with trainer.parallel=fsdp: the chunked loss reads the output "
+        "layer's weight after FSDP2 has resharded it; use loss.chunk_tokens=auto or none (unchunked there)"
+    )
 
 
 @contextmanager

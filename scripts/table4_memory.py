@@ -1,9 +1,12 @@
 """Table 4's memory column (DynamicConv, IWSLT'14) from lowmem's profiler, with today's PyTorch
 operators and with PyTorch 1.0.1's (``model.ops=pytorch_1_0``: what the report ran, see
-recipes/dc_iwslt/ops.py), beside the report's figures. Accounting only (no training step), on the
-generated IWSLT'14-sized corpus (``data=fake``). Prints a markdown table; ~3 minutes on 2 cores.
+recipes/dc_iwslt/ops.py), beside the report's figures, on the generated IWSLT'14-sized corpus
+(``data=fake``). The report's rows are accounted as the report ran them, the logits whole
+(``loss.chunk_tokens=none``); beside them, with today's operators, the measured peak of one real
+step unchunked and with the output layer and loss chunked (``loss.chunk_tokens=auto``, the default).
+Prints a markdown table; ~6 minutes on 2 cores (``--accounted-only``: ~3, no real step).
 
-    python scripts/table4_memory.py
+    python scripts/table4_memory.py [--accounted-only]
 """
 
 from __future__ import annotations
@@ -31,18 +34,27 @@ OPS = ("current", "pytorch_1_0")
 
 
 def main() -> None:
+    measure = "--accounted-only" not in sys.argv[1:]
     print(measured_on(), flush=True)  # when, with which torch, on which CPU / GPU
     base = ("+recipe=dc_iwslt", "data=fake")
-    print("| row | report | lowmem, today's operators | lowmem, PyTorch 1.0.1's operators |")
-    print("|---|---|---|---|")
+    header = "| row | report | lowmem, today's operators | lowmem, PyTorch 1.0.1's operators |"
+    if measure:
+        header += " measured peak, logits whole | measured peak, `loss.chunk_tokens=auto` | ratio |"
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
     shapes = None
     for label, report_mb, overrides in ROWS:
         cells = []
         for ops in OPS:
-            row = profile_config(compose(*base, f"model.ops={ops}", *overrides), measure=False)
+            cfg = compose(*base, f"model.ops={ops}", "loss.chunk_tokens=none", *overrides)
+            row = profile_config(cfg, measure=measure and ops == "current")
             shapes = shapes or row["batch_shapes"]  # the first row's: the whole 4,000-token minibatch
             got = row["total_bytes"] / 1e6
             cells.append(f"{got:,.0f} MB ({(got - report_mb) / report_mb:+.1%})")
+            whole = row.get("peak_bytes")
+        if measure:
+            chunked = profile_config(compose(*base, "loss.chunk_tokens=auto", *overrides), measure=True)["peak_bytes"]
+            cells += [f"{whole / 1e6:,.0f} MB", f"{chunked / 1e6:,.0f} MB", f"{chunked / whole:.2f}x"]
         print(f"| {label} | {report_mb:,} MB | {' | '.join(cells)} |", flush=True)
     print(f"\nProfiled minibatch: source {shapes['src_tokens']}, target {shapes['target']} tokens (padded).")
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lowmem.config import ConfigError
+from lowmem.techniques import head_loss
 from lowmem.trainer import build_trainer
 from tests.helpers import SMALL_DC, make_config
 
@@ -73,3 +74,18 @@ def test_a_microbatch_smaller_than_the_longest_sentence_is_refused_naming_the_pa
     message = str(error.value)
     assert message.startswith("microbatch.size=100 tokens is smaller than training pair ")
     assert "set microbatch.size to at least 126" in message  # the generated corpus's longest pair
+
+
+@pytest.mark.parametrize("extra", [(), ("sparsity.density=0.3",), ("microbatch.size=200", "microbatch.mode=true",
+                                                                    "checkpointing.strategy=residual")],
+                         ids=["dense", "compact-sparse", "microbatch-checkpointing"])
+def test_the_chunked_head_and_loss_give_the_unchunked_gradients(extra, monkeypatch):
+    """loss.chunk_tokens: the output projection (compact sparse too) and the label-smoothed loss a
+    chunk of tokens at a time give the unchunked gradients in FP64, dropout on."""
+    plain, _, state = gradients("loss.chunk_tokens=none", *extra)
+    nodes = []
+    original = head_loss._LinearCrossEntropy.apply
+    monkeypatch.setattr(head_loss._LinearCrossEntropy, "apply", lambda *a: nodes.append(a[8]) or original(*a))
+    chunked, parts, _ = gradients("loss.chunk_tokens=16", *extra, state=state)
+    assert len(nodes) == parts and set(nodes) == {16}  # the chunked node ran, 16 tokens a chunk
+    assert max_difference(plain, chunked) <= 1e-12

@@ -117,7 +117,7 @@ def test_the_cycle_finder_sees_function_level_and_relative_imports(tmp_path):
 LAYERS = [
     ("foundations", ["lowmem.kernels", "lowmem.residual", "lowmem.profiler", "lowmem.signals", "lowmem.libraries",
                      "lowmem.schedules", "lowmem.download"]),
-    ("techniques", ["lowmem.techniques"]),
+    ("techniques", ["lowmem.techniques", "lowmem.losses"]),
     ("configuration", ["lowmem.config", "lowmem.knobs", "lowmem.recipe", "lowmem.distributed", "lowmem.sharding"]),
     ("run files", ["lowmem.run", "lowmem.metrics_log"]),
     ("checkpoint planning", ["lowmem.planning.schedule", "lowmem.planning.measure", "lowmem.planning.optimal",

@@ -56,6 +56,7 @@ from torch import nn
 
 from lowmem.residual import run_residual_blocks
 from lowmem.techniques import compact
+from lowmem.techniques.head_loss import Head
 from recipes.dc_iwslt.ops import LayerNorm, Ops, ops_named
 
 # fairseq's kernel-size schedule: layer i uses _KERNEL_SCHEDULE[min(i, 3)] (3, 7, 15, 31, 31, ...).
@@ -450,7 +451,8 @@ class Decoder(_Embedder):
         """Teacher forcing: prev_output_tokens [B, T] (right-padded) -> logits [B, T, V_tgt]."""
         x = self.embed(prev_output_tokens, self.positions(prev_output_tokens))
         x = run_residual_blocks(self, x, encoder_out.out, encoder_out.padding_mask)
-        return compact.linear(self, "embed_out", x.transpose(0, 1))
+        # Lazy logits while training with loss.chunk_tokens (the loss computes them a chunk at a time).
+        return Head(self, "embed_out", None).lazy(x.transpose(0, 1))
 
     def init_state(self, encoder_out: EncoderOutput) -> DecoderState:
         """State before the first target token; computes each layer's attention keys/values once."""
@@ -504,6 +506,10 @@ class DynamicConvModel(nn.Module):
             if isinstance(module, nn.Linear | nn.Embedding)
         ]
         return names + ["decoder.embed_out"]
+
+    def lowmem_output_heads(self) -> list[tuple[nn.Module, str, str | None]]:
+        """The output layer, for ``loss.chunk_tokens`` (``lowmem.techniques.head_loss``)."""
+        return [(self.decoder, "embed_out", None)]
 
 
 def drop_fairseq_buffers(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ from torch import nn
 
 from lowmem.config import ConfigError, evaluation_batch_size
 from lowmem.recipe import RecipeData, TechniqueDefaults, check_model_knobs
+from lowmem.techniques.head_loss import LazyLogits, LossForm, chunked_per_token
 from lowmem.techniques.sparsity import DC_SCHEDULE, RewireSchedule
 from recipes.dc_iwslt.bleu import corpus_bleu
 from recipes.dc_iwslt.checkpoint_average import average_state_dicts
@@ -78,8 +79,13 @@ def label_smoothed_loss(
     (FP16/BF16 logits are widened, FP64 ones kept: the equivalence tests' reference precision).
 
     Returns (smoothed loss sum, NLL sum); logits [B, T, V], target [B, T]; ``ops``: the model's
-    (its log-softmax is the loss's).
+    (its log-softmax is the loss's). Lazy logits (``loss.chunk_tokens``) are never computed whole:
+    the output layer and this loss run a chunk of tokens at a time (``lowmem.techniques.head_loss``).
     """
+    if isinstance(logits, LazyLogits):
+        form = LossForm.fairseq(logits.shape[-1], epsilon, PAD)
+        loss, nll = chunked_per_token(logits, target, form)
+        return loss.sum(), nll.sum()
     wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     lprobs = (ops or Ops()).log_softmax(wide, -1)
     # Masked sums, not boolean indexing: shapes stay static (the profiler traces on fake tensors).
