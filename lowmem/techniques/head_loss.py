@@ -226,7 +226,7 @@ def _backward_by_tokens(x, w, b, target, ignored, scale, form, chunk, compute, w
         if wants[0]:
             torch.mm(grad, w, out=grad_x[start:stop])
         if wants[1]:
-            grad_w.addmm_(grad.t(), xc)
+            torch.addmm(grad_w, grad.t(), xc, out=grad_w)  # (addmm_ escapes the FLOP counters)
         del grad
     return grad_x, grad_w, grad_b
 
