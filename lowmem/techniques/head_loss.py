@@ -270,15 +270,19 @@ def linear_cross_entropy_per_token(
     form: LossForm,
     chunk: int,
     logit_dtype: torch.dtype | None = None,
+    offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, nll) per token, each [N], of ``x [N, H]`` through ``head``: in ``logit_dtype`` (default:
-    FP32, FP64 for FP64) where the head computes in FP32/FP64, in FP32 where it computes in 16 bits."""
+    """(loss, nll) per token, each [N], of ``x [N, H]`` through ``head`` (plus ``offset`` [V], a bias
+    added to its logits): in ``logit_dtype`` (default: FP32, FP64 for FP64) where the head computes
+    in FP32/FP64, in FP32 where it computes in 16 bits."""
     weight, columns, row_starts, shape = head.weight_parts()
     compute = _compute_dtype(x, weight)
     logit_dtype = logit_dtype or _accumulation_dtype(compute)
-    return _LinearCrossEntropy.apply(
-        x, weight, columns, row_starts, head.bias(), target, shape, form, chunk, compute, logit_dtype
-    )
+    bias = head.bias()
+    if offset is not None:  # one bias for the node; autograd gives each its gradient
+        bias = offset if bias is None else bias + offset
+    return _LinearCrossEntropy.apply(x, weight, columns, row_starts, bias, target, shape, form, chunk, compute,
+                                     logit_dtype)
 
 
 def chunked_per_token(
@@ -288,7 +292,9 @@ def chunked_per_token(
     hidden = logits.hidden.reshape(-1, logits.hidden.shape[-1])
     tokens, vocab = hidden.shape[0], logits.shape[-1]
     chunk = chunk_for(logits.head.setting, tokens, vocab, hidden.shape[-1]) or tokens
-    return linear_cross_entropy_per_token(hidden, logits.head, target.reshape(-1), form, chunk, logit_dtype)
+    return linear_cross_entropy_per_token(
+        hidden, logits.head, target.reshape(-1), form, chunk, logit_dtype, logits.offset
+    )
 
 
 # --- heads ------------------------------------------------------------------------------------------
@@ -347,25 +353,46 @@ class LazyLogits(torch.Tensor):
     docstring. ``dtype``: the logits' (the head's compute dtype, or what ``.float()`` made it)."""
 
     @staticmethod
-    def __new__(cls, hidden: torch.Tensor, head: Head, dtype: torch.dtype, requires_grad: bool) -> LazyLogits:
+    def __new__(
+        cls,
+        hidden: torch.Tensor,
+        head: Head,
+        dtype: torch.dtype,
+        requires_grad: bool,
+        offset: torch.Tensor | None = None,
+    ) -> LazyLogits:
         shape = (*hidden.shape[:-1], head.shape()[0])
         return torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=hidden.device, requires_grad=requires_grad
         )
 
-    def __init__(self, hidden: torch.Tensor, head: Head, dtype: torch.dtype, requires_grad: bool) -> None:
-        self.hidden, self.head = hidden, head
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        head: Head,
+        dtype: torch.dtype,
+        requires_grad: bool,
+        offset: torch.Tensor | None = None,
+    ) -> None:
+        self.hidden, self.head, self.offset = hidden, head, offset  # offset: [V] added to the logits (a bias)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"LazyLogits(shape={tuple(self.shape)}, dtype={self.dtype}: computed where read)"
 
     def materialize(self) -> torch.Tensor:
         """The logits, computed through the head now (with gradient when it is on)."""
-        return self.head.logits(self.hidden).to(self.dtype)
+        logits = self.head.logits(self.hidden)
+        return (logits if self.offset is None else logits + self.offset).to(self.dtype)
 
-    def _with(self, hidden: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> LazyLogits:
+    def _with(
+        self, hidden: torch.Tensor | None = None, dtype: torch.dtype | None = None, offset: torch.Tensor | None = None
+    ) -> LazyLogits:
         return LazyLogits(
-            self.hidden if hidden is None else hidden, self.head, dtype or self.dtype, self.requires_grad
+            self.hidden if hidden is None else hidden,
+            self.head,
+            dtype or self.dtype,
+            self.requires_grad or (offset is not None and offset.requires_grad),
+            self.offset if offset is None else offset,
         )
 
     @classmethod
@@ -447,6 +474,28 @@ def _getitem(self: LazyLogits, index: Any) -> Any:
     return self._with(hidden=self.hidden[index])
 
 
+def _add(a: Any, b: Any, *, alpha: Any = None) -> Any:
+    """Lazy logits plus a bias over the vocabulary (BART's ``final_logits_bias``): still lazy."""
+    lazy, other = (a, b) if isinstance(a, LazyLogits) else (b, a)
+    vocab = lazy.shape[-1]
+    if (
+        alpha is not None
+        or not isinstance(other, torch.Tensor)
+        or isinstance(other, LazyLogits)
+        or other.dim() < 1
+        or other.shape[-1] != vocab
+        or any(size != 1 for size in other.shape[:-1])
+        or other.dim() > lazy.dim()
+        or other.device != lazy.device
+        or not other.is_floating_point()
+    ):
+        return NotImplemented
+    offset = other.reshape(vocab)
+    if lazy.offset is not None:
+        offset = lazy.offset + offset
+    return lazy._with(dtype=torch.promote_types(lazy.dtype, other.dtype), offset=offset)
+
+
 def _cross_entropy(
     input: Any,
     target: torch.Tensor,
@@ -488,6 +537,10 @@ _LAZY: dict[Callable, Callable] = {
     torch.Tensor.reshape: _reshape,
     torch.reshape: lambda self, shape: _reshape(self, shape),
     torch.Tensor.__getitem__: _getitem,
+    torch.Tensor.__add__: _add,
+    torch.Tensor.__radd__: lambda self, other: _add(other, self),
+    torch.Tensor.add: _add,
+    torch.add: _add,
     F.cross_entropy: _cross_entropy,
 }
 
