@@ -344,6 +344,14 @@ class TrainerConfig:
         "whose whole budget is a few MB; possibly slower kernels (`lowmem/libraries.py`). Set before the first "
         "CUDA call of the process; variables you set yourself are kept.",
     )
+    stop_on_nonfinite: bool = knob(
+        True,
+        "A step whose loss or gradients are not finite is skipped in every precision (FP16's loss scaler also "
+        "halves its scale), counted in `skipped_steps` and warned once; when they persist (10 such steps in a row, "
+        "or FP16 overflowing at the scaler's minimum scale) the run stops with one line naming the step, the loss "
+        "and the knobs to look at, its last checkpoint kept. false: FP32, BF16 and amp apply every step as "
+        "computed, FP16 keeps skipping at its minimum scale.",
+    )
     deterministic: bool = knob(
         False,
         "Deterministic kernels only (`torch.use_deterministic_algorithms`, cuDNN deterministic, a reproducible "

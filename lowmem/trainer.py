@@ -11,6 +11,7 @@ import contextlib
 import fnmatch
 import json
 import logging
+import math
 import shutil
 import time
 from collections.abc import Iterator
@@ -60,9 +61,12 @@ from lowmem.techniques.microbatch import apply_simulated_microbatching, no_sync_
 from lowmem.techniques.offload import apply_offload, link_flops_per_byte, offload_of
 from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
 from lowmem.techniques.precision import (
+    NONFINITE_LIMIT,
     PrecisionPolicy,
+    TrainingDiverged,
     autocast_context,
     convert_model,
+    has_nonfinite_grad,
     make_loss_scaler,
     make_policy,
 )
@@ -156,6 +160,14 @@ class Trainer:
         # fast (BF16 on AVX-512) a loaded core can tip one rank's probe the other way.
         self.cpu_compute = distributed.rank0s(cpu_compute_choices(policy.cpu_compute, policy.sixteen_bit, device))
         self.state = TrainState()
+        self.nonfinite_in_row, self.nonfinite_warned = 0, False  # trainer.stop_on_nonfinite
+        # The normalization layers' running statistics, and a copy made before each step: a skipped
+        # step (non-finite) must not leave its forward's statistics behind either.
+        self.running_buffers = [
+            b for m in self.unwrapped_model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+            for b in (m.running_mean, m.running_var) if b is not None
+        ]
+        self.running_before: list[torch.Tensor] | None = None
 
     @property
     def unwrapped_model(self) -> nn.Module:
@@ -273,6 +285,10 @@ class Trainer:
         self.microbatch_runner.start_step(self.params)
         parts = self.microbatches(batch)
         loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
+        if self.running_buffers:
+            if self.running_before is None:
+                self.running_before = [torch.empty_like(b) for b in self.running_buffers]
+            torch._foreach_copy_(self.running_before, self.running_buffers)
         if self.running_statistics is not None:
             self.running_statistics.before_step()
         first = self._first_microbatch(len(parts))
@@ -288,12 +304,25 @@ class Trainer:
         if self.sparsity is not None:
             self.sparsity.mask_gradients()
         # 4. Overflow check; under data parallelism an overflow on any rank skips the step everywhere.
-        overflow = distributed.any_rank(self.scaler.found_overflow(self.params), self.device)
-        record: dict[str, Any] = {"loss": float(loss_total), "loss_scale": self.scaler.loss_scale}
+        #    FP16's loss scaler checks the gradients; in every other precision a non-finite loss or
+        #    gradient skips the step too (trainer.stop_on_nonfinite), as FP16's would be skipped.
+        loss = float(loss_total)
+        overflow = self.scaler.found_overflow(self.params)
+        if self.config.trainer.stop_on_nonfinite:
+            if not self.scaler.enabled:
+                overflow = not math.isfinite(loss) or has_nonfinite_grad(self.params)
+            # Running statistics gone non-finite (a finite loss from overflowing activations) too.
+            overflow = overflow or (bool(self.running_buffers) and not _all_finite(self.running_buffers))
+        overflow = distributed.any_rank(overflow, self.device)
+        record: dict[str, Any] = {"loss": loss, "loss_scale": self.scaler.loss_scale}
         epoch_position = self.state.epoch + self.state.batch_in_epoch / len(self.data.train)
         if overflow:
             self.state.skipped += 1
+            if self.running_buffers:  # the statistics as they were before the step
+                torch._foreach_copy_(self.running_buffers, self.running_before)
+            self._nonfinite_step(loss)
         else:
+            self.nonfinite_in_row = 0
             lr = learning_rate(self.config.optim, self.base_lr, self.state.updates, self.state.epoch)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -310,9 +339,42 @@ class Trainer:
                     if self.sparsity.compact is not None:
                         # Compact weights changed size: the data-parallel wrapper's buckets are rebuilt.
                         self.model = distributed.rewrap_model(self.model)
-        self.scaler.update(overflow)
+        try:
+            self.scaler.update(overflow)
+        except FloatingPointError:  # FP16 overflowing at the scaler's minimum scale
+            if self.config.trainer.stop_on_nonfinite:
+                raise self._diverged(loss, f"gradients overflow FP16 even at the minimum loss scale "
+                                           f"{self.scaler.min_scale:g}") from None
         record["skipped"] = bool(overflow)
         return record
+
+    def _nonfinite_step(self, loss: float) -> None:
+        """A skipped step: warned of once; too many in a row stop the run (trainer.stop_on_nonfinite)."""
+        if self.policy.name == "fp16" and self.scaler.loss_scale > 1:
+            self.nonfinite_in_row = 0  # FP16 overflowing with an amplified loss: the scaler's business
+            return
+        self.nonfinite_in_row += 1
+        if not self.config.trainer.stop_on_nonfinite:
+            return
+        if not self.nonfinite_warned and distributed.is_rank0():
+            log.warning(
+                "step %d: loss %.4g or its gradients are not finite: the step is skipped; %d in a row stop the run "
+                "(trainer.stop_on_nonfinite)",
+                self.state.step + 1, loss, NONFINITE_LIMIT,
+            )
+            self.nonfinite_warned = True
+        # FP16 counts overflows at a loss scale of 1 or less (its scaler also stops at its minimum
+        # scale, in update); amp's GradScaler gets as many halvings as FP16's range spans.
+        limit = AMP_OVERFLOW_LIMIT if self.policy.name == "amp" and self.scaler.enabled else NONFINITE_LIMIT
+        if limit is not None and self.nonfinite_in_row >= limit:
+            raise self._diverged(loss, f"{self.nonfinite_in_row} steps in a row with a non-finite loss or gradients")
+
+    def _diverged(self, loss: float, what: str) -> TrainingDiverged:
+        return TrainingDiverged(
+            f"training diverged at step {self.state.step + 1}: {what} (loss {loss:.4g}); nothing of it was applied. "
+            f"Look at optim.lr (now {self.base_lr:g}) and precision ({self.policy.name}); "
+            "trainer.stop_on_nonfinite=false trains on regardless"
+        )
 
     # --- the loop ------------------------------------------------------------------------------
     def fit(self, run_dir: Path) -> dict[str, Any]:
@@ -356,6 +418,9 @@ class Trainer:
                 with peak.track("evaluation"):
                     evaluation = self.evaluate()
                 metric = evaluation[self.recipe.primary_metric]
+                if cfg.trainer.stop_on_nonfinite and not math.isfinite(metric):  # before any checkpoint of it
+                    raise self._diverged(float(record["loss"]) if "loss" in record else math.nan,
+                                         f"the evaluation's {self.recipe.primary_metric} is {metric}")
                 state.best_metric = metric if state.best_metric is None else self._better(state.best_metric, metric)
                 state.final_metric = metric
                 record = {
@@ -600,6 +665,13 @@ STATE_KNOBS = (
     "trainer.parallel",
 )
 _ABSENT = object()
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    return bool(torch.stack(torch._foreach_norm(tensors, math.inf)).isfinite().all())
+
+
+AMP_OVERFLOW_LIMIT = 40  # amp's loss scale halved 40 times in a row (2^40: past FP16's whole range)
 
 
 def _knob(config: dict, knob: str) -> Any:

@@ -7,7 +7,9 @@ that does not exist (``sparsity.densty=0.3``) is refused before Hydra composes a
 the closest knobs (``refuse_unknown_knobs``).
 
 A run stopped by SIGINT / SIGTERM (``lowmem.signals.Interrupted``) prints one line saying where its
-checkpoint is and the exact command that resumes it, and exits with 130 / 143.
+checkpoint is and the exact command that resumes it, and exits with 130 / 143. A run whose losses
+or gradients stay non-finite (``TrainingDiverged``, ``trainer.stop_on_nonfinite``) prints one line
+naming the step, the loss and the knobs to look at, keeps its last checkpoint, and exits with 3.
 """
 
 from __future__ import annotations
@@ -27,8 +29,12 @@ from lowmem import distributed
 from lowmem.config import ConfigError
 from lowmem.knobs import check_overrides
 from lowmem.run import lock, records
+from lowmem.run.files import CHECKPOINT
 from lowmem.run.refusals import exit_refused, full_errors, is_refusal
 from lowmem.signals import Interrupted, terminate_as_interrupt
+from lowmem.techniques.precision import TrainingDiverged
+
+EXIT_DIVERGED = 3  # a run stopped by non-finite losses or gradients (trainer.stop_on_nonfinite)
 
 
 def refuse_unknown_knobs(argv: Sequence[str] | None = None) -> None:
@@ -113,6 +119,17 @@ def one_line_errors(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
                 sys.stderr.write(line + "\n")
                 sys.stderr.flush()
             raise SystemExit(stop.exit_code) from None
+        except TrainingDiverged as error:
+            # Nothing of the failing step was applied or saved: the last checkpoint stays as it was.
+            if distributed.is_rank0():
+                checkpoint = run_dir / CHECKPOINT
+                kept = f"its last checkpoint {checkpoint} is kept" if checkpoint.is_file() else "no checkpoint written"
+                line = f"{error}; {kept}"
+                record_in_log(line, logging.ERROR)
+                sys.stdout.flush()
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+            raise SystemExit(EXIT_DIVERGED) from None
         except Exception as error:
             if not is_refusal(error):
                 raise

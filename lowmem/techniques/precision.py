@@ -295,6 +295,14 @@ def has_nonfinite_grad(params: Iterable[torch.Tensor]) -> bool:
     return not bool(torch.stack([m.float() for m in max_abs]).isfinite().all())
 
 
+NONFINITE_LIMIT = 10  # non-finite steps in a row after which a run stops (trainer.stop_on_nonfinite)
+
+
+class TrainingDiverged(FloatingPointError):
+    """Non-finite losses or gradients persist: the run cannot train on (one line, the step, the loss
+    and the knobs to look at). Raised before anything of the failing step is applied or saved."""
+
+
 class LossScaler:
     """Dynamic loss scaling for gradients that stay FP16 (``torch.amp.GradScaler`` refuses those).
 
