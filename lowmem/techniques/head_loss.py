@@ -15,10 +15,16 @@ autograd node (``_LinearCrossEntropy``) that never holds more than one chunk of 
   has): the slice's logits again, their gradient ``scale · (softmax − a·onehot − b)``, its product
   with the slice of the weight added into the hidden states' gradient (accumulated in FP32), and the
   slice of the weight's gradient as one product over every token (so it is written once, with the
-  matrix product's own accumulation, never summed across chunks in 16 bits).
+  matrix product's own accumulation, never summed across chunks in 16 bits). Where the logits are
+  asked for narrower than the product computes them (FP64 weights and ``.float()`` logits, as
+  transformers' loss does in an FP64 run), backward goes a chunk of tokens at a time through plain
+  PyTorch's own ``log_softmax`` and its backward, so each token's gradient has plain's bits.
 
 Its one extra cost is one more product of the hidden states with the weight (the logits computed
-again in backward): 4 products of the head instead of 3.
+again in backward): 4 products of the head instead of 3. On a CPU, each chunk's buffers are freed
+and allocated again, so the node has glibc keep freed memory in its heap
+(``cpu_compute.reuse_freed_memory``): page faults on fresh buffers otherwise made 64 chunks of a 32k
+vocabulary cost 3-5x the unchunked loss.
 
 The loss per token is ``a · nll + b · Σ_v (lse − z_v)`` (``LossForm``): PyTorch's label smoothing ε
 is a = 1 − ε, b = ε/V; fairseq's (the DynamicConv recipe's) a = 1 − ε − ε/(V−1), b = ε/(V−1).
@@ -51,9 +57,13 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lowmem.techniques import compact
+from lowmem.techniques.cpu_compute import reuse_freed_memory
 
 AUTO_MIN_BYTES = 8 * 2**20  # `auto` chunks when the FP32 logits would exceed this
 AUTO_CHUNK_BYTES = 4 * 2**20  # `auto`'s chunk: FP32 logits of at most max(this, the hidden states' bytes)
+# ... but never fewer tokens than this: a product of fewer rows runs far below the CPU's speed (2 cores
+# of an AMD EPYC: 32 rows x 256 x 32,000 at 10 GFLOP/s, 256 rows at 27-35, 1,024 rows at 34-44).
+AUTO_MIN_TOKENS = 128
 IGNORE_INDEX = -100
 _CHUNK_ATTR = "_lowmem_chunk_tokens"  # on a head module (its __dict__): the setting installed
 
@@ -80,9 +90,8 @@ def chunk_for(setting: int | str | None, tokens: int, vocab: int, hidden: int) -
     if setting is None:
         return None
     if setting == "auto":
-        if tokens * vocab * 4 <= AUTO_MIN_BYTES:
-            return None
-        return max(1, max(AUTO_CHUNK_BYTES, tokens * hidden * 4) // (vocab * 4))
+        chunk = max(AUTO_MIN_TOKENS, max(AUTO_CHUNK_BYTES, tokens * hidden * 4) // (vocab * 4))
+        return None if tokens * vocab * 4 <= AUTO_MIN_BYTES or chunk >= tokens else chunk
     return setting
 
 
@@ -131,17 +140,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
     and its ``shape``). The product runs in ``compute``; the logits' arithmetic in ``logit_dtype``.
     The nll is not differentiable (a metric).
 
-    Backward has two forms. FP32/FP64 weights: a chunk of tokens at a time, with the very ops plain
-    PyTorch runs on each row (``log_softmax`` and its backward), so each token's logit gradient has
-    plain's bits and the weight's gradient is accumulated over chunks in its own dtype. 16-bit
-    weights: a slice of the vocabulary at a time from the saved FP32 log-sum-exp, so the weight's
-    gradient is one product over every token, rounded to 16 bits once."""
+    Backward has two forms. As a rule, a slice of the vocabulary at a time from the saved
+    log-sum-exp (FP32; FP64 for FP64): the weight's gradient is one product over every token,
+    written once (in 16 bits, rounded once), and every product has all tokens as rows or as its
+    inner dimension, so it runs at full speed. Where the logits are asked for narrower than the
+    product computes them (FP64 weights with FP32 logits: transformers' ``.float()`` in an FP64
+    run), a chunk of tokens at a time with the very ops plain PyTorch runs on each row
+    (``log_softmax`` and its backward), so each token's logit gradient has plain's bits; the
+    weight's gradient is then accumulated over chunks."""
 
     @staticmethod
     def forward(ctx, x, weight, columns, row_starts, bias, target, shape, form, chunk, compute, logit_dtype):
-        by_vocab = _sixteen_bit(compute)
+        if x.device.type == "cpu":
+            # Each chunk's buffers are freed and allocated again: kept in glibc's heap, not faulted
+            # in anew each time (64 chunks of a 32k vocabulary took 3-5x the unchunked loss without).
+            reuse_freed_memory()
+        # By slices of the vocabulary in backward, unless the logits were asked for narrower than the
+        # product computes them (FP64 weights, FP32 logits: transformers' `.float()` in an FP64 run).
+        by_vocab = _sixteen_bit(compute) or logit_dtype == _accumulation_dtype(compute)
         if by_vocab:
-            logit_dtype = torch.float32
+            logit_dtype = _accumulation_dtype(compute)
         w, b = _dense(weight, columns, row_starts, shape, bias, compute)
         tokens = x.shape[0]
         ignored = target.eq(form.ignore_index)
@@ -153,9 +171,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, tokens, chunk):
                 stop = min(start + chunk, tokens)
                 logits = F.linear(x[start:stop].to(compute), w, b).to(logit_dtype)
-                if by_vocab:
-                    lse[start:stop] = torch.logsumexp(logits, -1)
-                log_probs = torch.log_softmax(logits, -1)
+                if by_vocab:  # from the log-sum-exp, which backward reads
+                    lse[start:stop] = lse_chunk = torch.logsumexp(logits, -1)
+                    nll[start:stop] = lse_chunk - logits.gather(1, safe[start:stop]).squeeze(1)
+                    if form.smooth_weight:
+                        smooth[start:stop] = logits.shape[1] * lse_chunk - logits.sum(-1)
+                    del logits
+                    continue
+                log_probs = torch.log_softmax(logits, -1)  # plain's op, whose backward backward runs
                 del logits
                 nll[start:stop] = log_probs.gather(1, safe[start:stop]).squeeze(1).neg_()
                 if form.smooth_weight:
@@ -201,7 +224,8 @@ def _dense(weight, columns, row_starts, shape, bias, compute):
 
 
 def _backward_by_tokens(x, w, b, target, ignored, scale, form, chunk, compute, wants):
-    """FP32/FP64: each chunk's logits and log-softmax again, and log-softmax's own backward."""
+    """Logits narrower than the product: each chunk's logits and log-softmax again, and log-softmax's
+    own backward (plain's bits per token)."""
     tokens, vocab = x.shape[0], w.shape[0]
     logit_dtype = scale.dtype
     grad_x = torch.empty_like(x, dtype=compute) if wants[0] else None
@@ -232,8 +256,8 @@ def _backward_by_tokens(x, w, b, target, ignored, scale, form, chunk, compute, w
 
 
 def _backward_by_vocab(x, w, b, target, ignored, scale, lse, form, chunk, compute, wants):
-    """16-bit: slices of the vocabulary with as many logits as a forward chunk (at least one column);
-    the weight's gradient written once per slice, the hidden states' accumulated in FP32."""
+    """Slices of the vocabulary with as many logits as a forward chunk (at least one column); the
+    weight's gradient written once per slice, the hidden states' accumulated in FP32 (FP64)."""
     tokens, vocab = x.shape[0], w.shape[0]
     acc = lse.dtype
     width = max(1, min(vocab, chunk * vocab // max(tokens, 1)))
