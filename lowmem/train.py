@@ -20,7 +20,7 @@ from lowmem import distributed
 from lowmem.config import ConfigError, register_configs
 from lowmem.run import records
 from lowmem.run.command import one_line_errors, refuse_unknown_knobs
-from lowmem.run.files import CHECKPOINT, RESULT, read_checkpoint
+from lowmem.run.files import CHECKPOINT, METRICS, RESULT, read_checkpoint, set_aside_metrics
 
 log = logging.getLogger("lowmem")
 register_configs()
@@ -96,6 +96,14 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
             trainer.state.epoch,
             trainer.state.step,
         )
+    elif distributed.is_rank0():
+        # Starting afresh: metrics left here by a run killed before its first checkpoint are not this run's.
+        aside = set_aside_metrics(run_dir)
+        if aside is not None:
+            log.warning(
+                "%s held the metrics of a run stopped before its first checkpoint (nothing to resume): moved to "
+                "%s; this run starts afresh", run_dir / METRICS, aside.name,
+            )
     result = trainer.fit(run_dir)
     metric = trainer.recipe.primary_metric
     if distributed.is_rank0():

@@ -12,7 +12,13 @@ CPU's native 16-bit kernels are beyond one small native step per model.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
+import logging
+import multiprocessing
+import os
 import threading
+import time
 
 import pytest
 import torch
@@ -22,12 +28,13 @@ from torch import nn
 
 import lowmem
 from lowmem.config import ConfigError
+from lowmem.libraries import configure_libraries
 from lowmem.profiler import track_peak
 from lowmem.techniques import cpu_compute
 from lowmem.techniques.cpu_compute import KINDS, NATIVE_MUST_WIN, Fp32Arithmetic, choices, decide
 from lowmem.techniques.precision import make_policy
 from lowmem.trainer import build_trainer
-from tests.helpers import SMALL_DC, make_config
+from tests.helpers import SMALL_DC, TINY_WRN, make_config
 
 aten = torch.ops.aten
 SIXTEEN_BIT = [torch.bfloat16, torch.float16]
@@ -268,17 +275,36 @@ def test_one_slow_native_run_does_not_decide_the_kind(monkeypatch):
     monkeypatch.setattr(cpu_compute, "_probe_work", lambda kind, dtype: lambda: None)
     # Bar 1.0: one run slowed 2x by the machine is dropped, the fastest of the five counts.
     clock, left = _scripted_clock([9.0, 0.6, 2.0, 0.6, 0.6, 0.6])
-    seconds = cpu_compute.probe_seconds("convolution", torch.bfloat16, False, limit=1.0, clock=clock)
+    seconds = cpu_compute.probe_seconds("convolution", torch.bfloat16, False, limit=1.0, repeats=5, clock=clock)
     assert seconds == pytest.approx(0.6)
     assert left == []
-    # A reference kernel, far over the bar: timing stops at its first timed run.
+    # One run far over the bar (preempted for a time slice of a loaded machine) decides nothing either.
+    clock, left = _scripted_clock([9.0, 40.0, 0.6, 0.6, 0.6, 0.6])
+    seconds = cpu_compute.probe_seconds("convolution", torch.bfloat16, False, limit=1.0, repeats=5, clock=clock)
+    assert seconds == pytest.approx(0.6)
+    # A reference kernel, far over the bar run after run: timing stops after ABANDON_AFTER timed runs.
     clock, left = _scripted_clock([40.0] * 6)
-    seconds = cpu_compute.probe_seconds("convolution", torch.bfloat16, False, limit=1.0, clock=clock)
+    seconds = cpu_compute.probe_seconds("convolution", torch.bfloat16, False, limit=1.0, repeats=5, clock=clock)
     assert seconds == pytest.approx(40.0)
-    assert len(left) == 4
+    assert len(left) == 5 - cpu_compute.ABANDON_AFTER
 
 
-def test_probe_is_timed_once_per_process_and_dtype(monkeypatch):
+@pytest.fixture
+def record_dir(monkeypatch, tmp_path):
+    """A cache directory of the test's own for ``auto``'s record (fake timings must never reach the
+    user's), read afresh as by a new process."""
+    monkeypatch.setenv("LOWMEM_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_compute._machine_choices.cache_clear()
+    yield tmp_path / "cache"
+    cpu_compute._machine_choices.cache_clear()
+
+
+def _new_process() -> None:
+    """What a new process starts with: nothing read or probed yet."""
+    cpu_compute._machine_choices.cache_clear()
+
+
+def test_auto_is_probed_once_per_machine_and_recorded(monkeypatch, record_dir):
     calls = []
 
     def seconds(kind, dtype, fp32, limit=None):
@@ -286,14 +312,172 @@ def test_probe_is_timed_once_per_process_and_dtype(monkeypatch):
         return 1.0 if fp32 else 10.0
 
     monkeypatch.setattr(cpu_compute, "probe_seconds", seconds)
-    cpu_compute.probe_choices.cache_clear()
+    first = choices("auto", torch.float16, "cpu")
+    assert first == choices("auto", torch.float16, "cpu") == dict.fromkeys(KINDS, "fp32")
+    assert len(calls) == 2 * len(KINDS)
+    _new_process()
+    assert choices("auto", torch.float16, "cpu") == first
+    assert len(calls) == 2 * len(KINDS)  # read from the record: not timed again
+    records = json.loads((record_dir / cpu_compute.RECORD).read_text())["records"]
+    (record,) = records.values()
+    assert record["machine"] == cpu_compute.machine_key(torch.float16, torch.get_num_threads())
+    assert record["choices"] == first and record["seconds"]["matmul"] == {"fp32": 1.0, "native": 10.0}
+    # Another dtype or thread count is another record.
+    choices("auto", torch.bfloat16, "cpu")
+    cpu_compute._machine_choices(torch.float16, torch.get_num_threads() + 1)
+    assert len(calls) == 3 * 2 * len(KINDS)
+    assert len(json.loads((record_dir / cpu_compute.RECORD).read_text())["records"]) == 3
+
+
+def test_the_probe_is_timed_on_one_thread(monkeypatch, record_dir):
+    # On several threads of a loaded machine each probe run waits for a preempted thread.
+    seen = []
+    monkeypatch.setattr(cpu_compute, "probe_seconds", lambda kind, dtype, fp32, limit=None: seen.append(
+        torch.get_num_threads()) or 1.0)  # fmt: skip
+    threads = torch.get_num_threads()
     try:
-        first = choices("auto", torch.float16, "cpu")
-        again = choices("auto", torch.float16, "cpu")
-        assert first == again == dict.fromkeys(KINDS, "fp32")
-        assert len(calls) == 2 * len(KINDS)
+        torch.set_num_threads(2)
+        choices("auto", torch.bfloat16, "cpu")
+        assert torch.get_num_threads() == 2  # the run's own again
     finally:
-        cpu_compute.probe_choices.cache_clear()
+        torch.set_num_threads(threads)
+    assert seen and set(seen) == {1}
+
+
+def _probe_in_a_process(native_seconds: float, results) -> None:
+    """(In a forked child.) ``auto``'s choice for BF16 under a probe on which native takes
+    ``native_seconds`` and FP32 1 s (0.1 s of real time each, so that both children probe at once
+    if nothing stops them); the choice and the number of probes timed, into ``results``."""
+    timed = []
+
+    def seconds(kind, dtype, fp32, limit=None):
+        timed.append(kind)
+        time.sleep(0.1)
+        return 1.0 if fp32 else native_seconds
+
+    cpu_compute.probe_seconds = seconds
+    results.put((cpu_compute.probe_choices(torch.bfloat16), len(timed)))
+
+
+def test_processes_probing_at_once_use_one_recorded_choice(record_dir):
+    # Two processes whose probes would choose apart (native 2x faster for one, 2x slower for the
+    # other) start together: the one that comes second waits for the record and uses the first's.
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    children = [context.Process(target=_probe_in_a_process, args=(native, results)) for native in (0.5, 2.0)]
+    for child in children:
+        child.start()
+    outcomes = [results.get(timeout=60) for _ in children]
+    for child in children:
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    (first, first_timed), (second, second_timed) = outcomes
+    assert first == second and set(dict(first).values()) <= {"native", "fp32"}
+    assert sorted([first_timed, second_timed]) == [0, 2 * len(KINDS)]  # one probed, the other read
+    records = json.loads((record_dir / cpu_compute.RECORD).read_text())["records"]
+    assert [tuple(r["choices"].items()) for r in records.values()] == [first]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["garbage", "a list", "a damaged record"],
+)
+def test_an_unreadable_record_is_probed_again_with_a_warning(monkeypatch, record_dir, caplog, damage):
+    seconds, _ = _fake_seconds({"convolution": 0.5, "convolution_backward": 2.0, "matmul": 0.5})
+    monkeypatch.setattr(cpu_compute, "probe_seconds", seconds)
+    record_dir.mkdir(mode=0o700)
+    path = record_dir / cpu_compute.RECORD
+    if damage == "garbage":
+        path.write_bytes(os.urandom(200))
+    elif damage == "a list":
+        path.write_text("[1, 2]")
+    else:
+        choices("auto", torch.bfloat16, "cpu")
+        _new_process()
+        document = json.loads(path.read_text())
+        (record,) = document["records"].values()
+        record["choices"]["matmul"] = "fast"
+        path.write_text(json.dumps(document))
+    with caplog.at_level(logging.WARNING, logger=cpu_compute.__name__):
+        chosen = choices("auto", torch.bfloat16, "cpu")
+    assert chosen == {"convolution": "native", "convolution_backward": "fp32", "matmul": "native"}
+    assert "probing again" in caplog.text
+    (record,) = json.loads(path.read_text())["records"].values()  # rewritten whole
+    assert record["choices"] == chosen
+
+
+def test_a_cache_directory_others_may_write_to_is_not_trusted_with_the_record(monkeypatch, record_dir, caplog):
+    seconds, _ = _fake_seconds(dict.fromkeys(KINDS, 0.5))
+    monkeypatch.setattr(cpu_compute, "probe_seconds", seconds)
+    record_dir.mkdir()
+    record_dir.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger=cpu_compute.__name__):
+        assert choices("auto", torch.bfloat16, "cpu") == dict.fromkeys(KINDS, "native")
+    assert "cannot record its choice" in caplog.text and "LOWMEM_CACHE_DIR" in caplog.text
+    assert list(record_dir.iterdir()) == []
+
+
+def test_deterministic_runs_decide_from_the_cpus_flags_never_by_timing(monkeypatch, record_dir):
+    def never(*args, **kwargs):
+        raise AssertionError("timed under trainer.deterministic=true")
+
+    monkeypatch.setattr(cpu_compute, "probe_seconds", never)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(cpu_compute.torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    for flags, bf16 in [("avx2 avx512f avx512_bf16", "fp32"), ("avx512f avx512_bf16 amx_bf16 amx_tile", "native")]:
+        monkeypatch.setattr(cpu_compute.kernel_cache, "cpu_identity", lambda flags=flags: ("CPU", f"flags : {flags}"))
+        assert choices("auto", torch.bfloat16, "cpu", deterministic=True) == dict.fromkeys(KINDS, bf16)
+        assert choices("auto", torch.float16, "cpu", deterministic=True) == dict.fromkeys(KINDS, "fp32")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # AMX there, but oneDNN may not use it
+    assert choices("auto", torch.bfloat16, "cpu", deterministic=True) == dict.fromkeys(KINDS, "fp32")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    # trainer.deterministic=true turns torch's deterministic algorithms on: auto follows them.
+    trainer = build_trainer(make_config(*TINY_WRN, "precision=bf16", "trainer.deterministic=true"))
+    try:
+        assert trainer.cpu_compute == dict.fromkeys(KINDS, "native")
+    finally:
+        configure_libraries(torch.device("cpu"))  # a later test's trainer must not find them on
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def _flipping_probe_clock(monkeypatch) -> list:
+    """``probe_seconds`` on a synthetic clock that flips, as a second job loading the CPU can: in
+    the first probe a native run takes 1 s and an FP32 run 2 s, in the second 0.5 s (and so on), so
+    that each probe, made anew, would choose otherwise. The kinds timed, in order."""
+    probe = cpu_compute.probe_seconds
+    timed = []
+
+    def seconds(kind, dtype, fp32, limit=None):
+        native_wins = len(timed) // (2 * len(KINDS)) % 2 == 0  # which probe this run belongs to
+        timed.append(kind)
+        run = (2.0 if native_wins else 0.5) if fp32 else 1.0
+        return probe(kind, dtype, fp32, limit, clock=itertools.count(0.0, run).__next__)
+
+    monkeypatch.setattr(cpu_compute, "_probe_work", lambda kind, dtype: lambda: None)
+    monkeypatch.setattr(cpu_compute, "probe_seconds", seconds)
+    return timed
+
+
+def test_two_identical_runs_under_a_flipping_probe_clock_give_the_same_bits(monkeypatch, record_dir, tmp_path):
+    from lowmem.train import run
+
+    monkeypatch.setenv("LOWMEM_KERNELS", "torch")  # the same bits without compiling the C kernels into record_dir
+    timed = _flipping_probe_clock(monkeypatch)
+    # Probed anew, the clock flips the choice:
+    assert decide(torch.bfloat16, cpu_compute.probe_seconds) == dict.fromkeys(KINDS, "native")
+    assert decide(torch.bfloat16, cpu_compute.probe_seconds) == dict.fromkeys(KINDS, "fp32")
+    timed.clear()
+    overrides = (*TINY_WRN, "precision=bf16", "trainer.epochs=1", "trainer.device=cpu")
+    results = []
+    for name in ("first", "second"):
+        _new_process()
+        (tmp_path / name).mkdir()
+        results.append(run(make_config(*overrides), tmp_path / name))
+    assert len(timed) == 2 * len(KINDS)  # the first run probed; the second read its record
+    chosen = {"setting": "auto", **dict.fromkeys(KINDS, "native")}  # the first probe's
+    assert results[0]["cpu_compute"] == results[1]["cpu_compute"] == chosen
+    first, second = (torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("first", "second"))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
 def test_the_knob_changes_nothing_on_cuda_or_for_fp32():

@@ -4,6 +4,8 @@ it cannot trust or build means the torch fallback and a warning, never a crash."
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -87,13 +89,64 @@ def test_a_corrupt_cached_library_is_deleted_and_rebuilt(tmp_path, caplog):
     assert "rebuilding" in warnings_of(caplog)
 
 
+@pytest.fixture(scope="module")
+def built_once(tmp_path_factory) -> Path:
+    """The kernels and their record, built once and never loaded (a library loaded in this process
+    must not be cut short: its pages are mapped here): tests copy them into their cache."""
+    compiler = cpu.compiler_command()
+    target = tmp_path_factory.mktemp("built") / cpu.kernel_path(compiler).name
+    cpu._build(compiler, target)
+    return target
+
+
+def cached_copy(built: Path, record: bool = True) -> Path:
+    """``built`` copied into this test's cache directory, with its record or without; the copy."""
+    target = cpu.kernel_path(cpu.compiler_command())
+    target.parent.mkdir(mode=0o700)
+    shutil.copy2(built, target)
+    if record:
+        shutil.copy2(built.with_name(built.name + ".sha256"), target.with_name(target.name + ".sha256"))
+    return target
+
+
+@pytest.mark.parametrize("kept", [5_000, 50_000])
+def test_a_truncated_cached_library_is_rebuilt_before_it_is_loaded(built_once, caplog, kept):
+    """Loaded, a library cut short kills the process (SIGBUS, "Bus error") at the first touch of a
+    page past its end: it is checked against the size and checksum written with it instead."""
+    target = cached_copy(built_once)
+    whole = target.read_bytes()
+    assert json.loads(target.with_name(target.name + ".sha256").read_text())["bytes"] == len(whole) > kept
+    target.write_bytes(whole[:kept])
+    lib = cpu.library()
+    assert lib is not None and target.read_bytes() == whole
+    warned = warnings_of(caplog)
+    assert f"{kept} bytes where {len(whole)} were written" in warned and "rebuilding" in warned
+    weights, grads = torch.ones(8, dtype=torch.bfloat16), torch.full((8,), 2.0, dtype=torch.bfloat16)
+    cpu.sgd([weights], [grads], [torch.zeros(8, dtype=torch.bfloat16)], None, lr=0.5, momentum=0.0, nesterov=False,
+            weight_decay=0.0, grad_scale=1.0)  # fmt: skip
+    assert torch.equal(weights, torch.zeros(8, dtype=torch.bfloat16))
+
+
+def test_a_cached_library_without_its_record_is_rebuilt(built_once, caplog):
+    """A library whose size and checksum were never written (an older lowmem's, or a build killed
+    between the two): not loaded, rebuilt."""
+    target = cached_copy(built_once, record=False)
+    assert cpu.library() is not None
+    assert "no record of its size and checksum" in warnings_of(caplog)
+    assert target.with_name(target.name + ".sha256").is_file()
+
+
 def test_a_cached_library_without_the_kernels_is_deleted_and_rebuilt(tmp_path, caplog):
-    """A stale or foreign library that loads but lacks a function (before: AttributeError in training)."""
+    """A stale or foreign library that loads but lacks a function (before: AttributeError in training),
+    its record written with it."""
     target = cpu.kernel_path(cpu.compiler_command())
     target.parent.mkdir(mode=0o700)
     stub = tmp_path / "stub.c"
     stub.write_text("void lowmem_nothing(void) {}\n")
     subprocess.run(["cc", "-shared", "-fPIC", str(stub), "-o", str(target)], check=True)
+    data = target.read_bytes()
+    record = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    target.with_name(target.name + ".sha256").write_text(json.dumps(record))
     lib = cpu.library()
     assert lib is not None and lib.lowmem_sgd is not None
     assert b"lowmem_sgd" in target.read_bytes()

@@ -218,6 +218,26 @@ def test_steps_logged_after_the_checkpoint_are_not_logged_twice(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 7))
 
 
+def logged_steps(path: Path) -> list[tuple]:
+    """Each record of a ``metrics.jsonl`` as (its keys, step, epoch), in order."""
+    return [(tuple(sorted(r)), r.get("step"), r.get("epoch")) for r in map(json.loads, path.read_text().splitlines())]
+
+
+def test_a_run_killed_before_its_first_checkpoint_and_run_again_logs_each_step_once(tmp_path):
+    overrides = (*TINY_WRN, "trainer.epochs=1", "trainer.log_every=1")  # 3 steps, a checkpoint after the third
+    train(tmp_path / "full", *overrides)
+    # As if `kill -9` had stopped the same command after two logged steps, before any checkpoint:
+    record = {"epoch": 0, "loss": 9.0, "lr": 0.1, "skipped": False}
+    killed = "".join(json.dumps({"step": step, **record}) + "\n" for step in (1, 2)) + '{"step": 3, "ep'
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(killed)
+    train(tmp_path / "run", *overrides)  # the same command again: no checkpoint, so it starts afresh
+    assert logged_twice(tmp_path / "run") == []
+    assert logged_steps(tmp_path / "run" / "metrics.jsonl") == logged_steps(tmp_path / "full" / "metrics.jsonl")
+    assert same_weights(tmp_path / "full", tmp_path / "run")
+    assert (tmp_path / "run" / "metrics.jsonl.1").read_text() == killed  # kept aside, not lost
+
+
 def test_resume_carries_what_the_checkpoint_counts_on_and_nothing_after(tmp_path):
     """Metrics and snapshots up to the checkpoint's step: into a new directory (copied) or in place
     (the later ones removed); a checkpoint without a line count (older lowmem) keeps steps <= its own."""

@@ -9,8 +9,12 @@ cache directory is ``$LOWMEM_CACHE_DIR`` (the kernels directly in it), else
 Loading a shared library runs its code, so the cache is trusted only when it is private: the
 directory is created 0700, and one owned by another user or writable by group or others is refused
 (a warning; the fallback is used). One process compiles at a time (an ``fcntl`` lock in the
-directory); a compile that takes longer than ``COMPILE_TIMEOUT_S`` is abandoned. A cached library
-that does not load or lacks a function (a corrupt or stale file) is deleted and rebuilt once.
+directory); a compile that takes longer than ``COMPILE_TIMEOUT_S`` is abandoned. Each library is
+written with a record of its size and SHA-256 (``<library>.sha256``, written atomically after the
+library is in place) and checked against it before it is loaded: loading a truncated library maps
+pages past its end, and the first touch of one kills the process with SIGBUS, so a library whose
+record is missing or differs is deleted and rebuilt (a warning), as is one that does not load or
+lacks a function (a corrupt or stale file).
 
 Without a working compiler ``library()`` returns None (logged once) and lowmem uses the plain-torch
 fallback (``reference.py``): slower and more operations, the same bits.
@@ -27,6 +31,7 @@ import ctypes
 import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -87,7 +92,7 @@ def cache_dir() -> Path:
     return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "lowmem"
 
 
-def _private_directory(directory: Path) -> None:
+def private_directory(directory: Path) -> None:
     """Create ``directory`` (mode 0700) if missing; PermissionError if another user owns it or group or
     others may write to it (anyone who can write there can put code into every process that loads it)."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -101,9 +106,10 @@ def _private_directory(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    """One process at a time checks, builds and loads the kernels in ``directory``."""
-    descriptor = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+def locked(directory: Path, name: str = "lock") -> Iterator[None]:
+    """One process (or thread) at a time in what ``directory / name`` guards: the kernels' check,
+    build and load by default."""
+    descriptor = os.open(directory / name, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX)
         yield
@@ -111,12 +117,31 @@ def _locked(directory: Path) -> Iterator[None]:
         os.close(descriptor)  # releases the lock
 
 
-def _cpu_fingerprint() -> str:
+def write_atomically(path: Path, data: bytes) -> None:
+    """``path`` := ``data``, through a scratch file in its directory renamed into place (a reader sees
+    the old file or the new one, whole)."""
+    descriptor, scratch = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
-        return flags[0] if flags else platform.processor()
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(scratch, path)
+    except BaseException:
+        Path(scratch).unlink(missing_ok=True)
+        raise
+
+
+@functools.cache
+def cpu_identity() -> tuple[str, str]:
+    """This CPU's model name and its ``flags`` line (``/proc/cpuinfo``; else ``platform.processor()``)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return platform.processor()
+        lines = []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    return model or platform.processor(), flags or platform.processor()
 
 
 def compiler_command() -> list[str]:
@@ -135,13 +160,14 @@ def kernel_path(compiler: Sequence[str]) -> Path:
     ).stdout
     digest = hashlib.sha256(
         "\n".join([SOURCE.read_text(), " ".join(FLAGS), shlex.join(compiler), version, platform.machine(),
-                   _cpu_fingerprint()]).encode()
+                   cpu_identity()[1]]).encode()
     ).hexdigest()[:16]
     return cache_dir() / f"lowmem_kernels_{digest}.so"
 
 
 def _build(compiler: Sequence[str], target: Path) -> None:
-    """Compile the kernels into ``target``: into a scratch name first, renamed into place when whole."""
+    """Compile the kernels into ``target``: into a scratch name first, renamed into place when whole;
+    then its record (``_record``) beside it."""
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         subprocess.run(
@@ -149,6 +175,32 @@ def _build(compiler: Sequence[str], target: Path) -> None:
             timeout=COMPILE_TIMEOUT_S,
         )
         os.replace(built, target)
+    data = target.read_bytes()
+    record = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    write_atomically(_record(target), (json.dumps(record) + "\n").encode())
+
+
+def _record(target: Path) -> Path:
+    """The file holding ``target``'s size and SHA-256, written after it."""
+    return target.with_name(target.name + ".sha256")
+
+
+def _damage(target: Path) -> str | None:
+    """What is wrong with the cached library ``target`` as its record tells (it must be loaded only if
+    None): no record, another size or another checksum."""
+    try:
+        record = json.loads(_record(target).read_text())
+        size, digest = int(record["bytes"]), str(record["sha256"])
+    except FileNotFoundError:
+        return "no record of its size and checksum (an older lowmem's, or a build cut short)"
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"its record {_record(target).name} is unreadable ({type(error).__name__})"
+    data = target.read_bytes()
+    if len(data) != size:
+        return f"{len(data)} bytes where {size} were written (truncated or overwritten)"
+    if hashlib.sha256(data).hexdigest() != digest:
+        return "its SHA-256 differs from the one written with it"
+    return None
 
 
 def _load(target: Path) -> ctypes.CDLL:
@@ -174,14 +226,19 @@ def library() -> ctypes.CDLL | None:
     try:
         compiler = compiler_command()
         target = kernel_path(compiler)
-        _private_directory(target.parent)
-        with _locked(target.parent):
+        private_directory(target.parent)
+        with locked(target.parent):
             if target.is_file():
+                # Checked before loading: a truncated library crashes the process that loads it (SIGBUS).
+                damage = _damage(target)
                 try:
-                    return _load(target)
+                    if damage is None:
+                        return _load(target)
                 except (OSError, AttributeError) as error:
-                    log.warning("the cached CPU kernels %s are unusable (%s); rebuilding them", target, error)
-                    target.unlink()
+                    damage = str(error)
+                log.warning("the cached CPU kernels %s are unusable (%s); rebuilding them", target, damage)
+                target.unlink()
+                _record(target).unlink(missing_ok=True)
             _build(compiler, target)
             return _load(target)
     except (OSError, AttributeError, ValueError, subprocess.SubprocessError) as error:

@@ -79,6 +79,22 @@ def append_jsonl(record: dict, path: str | os.PathLike) -> None:
         os.fsync(handle.fileno())
 
 
+def set_aside_metrics(run_dir: str | os.PathLike) -> Path | None:
+    """Rename ``run_dir``'s ``metrics.jsonl``, unless missing or empty, to ``metrics.jsonl.<n>`` (the
+    first ``n`` from 1 not taken) and return the new path: for a run that starts afresh in a directory
+    where a run stopped before its first checkpoint (killed: there is nothing to resume), whose
+    steps the new run would otherwise follow in the same file, each of its steps then appearing twice."""
+    path = Path(run_dir) / METRICS
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    number = 1
+    while path.with_name(f"{METRICS}.{number}").exists():
+        number += 1
+    aside = path.with_name(f"{METRICS}.{number}")
+    os.rename(path, aside)  # the run directory's lock keeps every other run out
+    return aside
+
+
 def read_checkpoint(path: str | os.PathLike, refusal: str) -> dict[str, Any]:
     """``path`` (a ``checkpoint.pt``) loaded on the CPU, weights only; a file that cannot be read
     (truncated, corrupt, not a lowmem checkpoint) raises ``RunRefused``: ``refusal``, which names

@@ -19,14 +19,26 @@ see; ``measure_scratch`` measures them (``tests/test_cpu_compute.py`` bounds the
 ``cpu_compute``:
 - ``native``: the 16-bit kernels as PyTorch has them;
 - ``fp32``: every op above in FP32 from its 16-bit operands;
-- ``auto`` (default): per kind of op (``KINDS``) and dtype, by a probe timed once per process (a
-  few milliseconds, ``probe_choices``): native only where it is clearly faster than FP32 on the
-  probe (``NATIVE_MUST_WIN``: 1.4x), else FP32. Native kernels range from twice FP32's speed (AMX;
+- ``auto`` (default): per kind of op (``KINDS``) and dtype, by a probe timed once per machine
+  (``probe_choices``): native only where it is clearly faster than FP32 on the probe
+  (``NATIVE_MUST_WIN``: 1.4x), else FP32. Native kernels range from twice FP32's speed (AMX;
   an AMD EPYC with AVX-512-BF16: a whole WRN-28-2 BF16 step natively in 0.54x FP32's time) to
   200 times slower (FP16 convolution backward on AVX-512), and per op from 0.6x to 1.5x FP32's
   time on the same CPU (an Intel Xeon with AVX-512-BF16 without AMX: a whole WRN-28-2 step natively
   1.4x slower); the FP32 path runs at FP32's speed wherever it runs.
 On CUDA, or for FP32/FP64 operands, nothing changes.
+
+A run's bits must not depend on how loaded the machine was when it started: where the two ways are
+close (BF16 on AVX-512-BF16) a probe timed anew by each process chose either. So ``auto``'s choice
+is recorded, the first time it is probed, in ``cpu_compute.json`` beside the compiled kernels
+(``lowmem.kernels.cpu.cache_dir()``), under a key of what it depends on (``machine_key``: the CPU's
+model and flags, torch's version, CPU capability and thread count, oneDNN's ISA limit, the dtype,
+``PROBE_VERSION``), and every later process on the machine takes it from there. The probe is timed
+on one thread (``_one_thread``: several threads of a loaded machine wait on each other). One
+process probes and writes at a time (a lock in the directory; the file is replaced atomically), so
+processes started together use one choice; an unreadable record is probed again with a warning.
+Delete the file to probe again. Under ``torch.use_deterministic_algorithms`` (``trainer.deterministic=true``
+sets it) ``auto`` is never timed: ``feature_choices`` decides from the CPU's flags alone.
 
 Each op's FP32 copies are fresh allocations of up to a few tens of MB. By default glibc serves
 such sizes by ``mmap`` or returns freed memory at the top of its heap to the system, so each
@@ -46,17 +58,22 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import hashlib
+import json
 import logging
 import os
+import platform
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
+
+from lowmem.kernels import cpu as kernel_cache
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +112,19 @@ _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 # a whole WRN-28-2 step is 1.4x slower natively; native FP16 matrix products (AVX-512-FP16) win by
 # 1.4-1.5x there, and with AMX native BF16 is about twice as fast.
 NATIVE_MUST_WIN = 1.4
-# A native probe run this many times over the bar is a slow reference kernel (20-100x FP32's time),
-# not noise: timing stops there. Slower runs short of it are noise the fastest of the runs drops.
-# (Stopping at the bar itself let one run slowed by the machine flip a kind: an AMD EPYC with
-# AVX-512-BF16, whose native BF16 convolution backward beats FP32 1.7x on the probe, was set to FP32
-# while the other core was busy, and its BF16 step ran 1.55x slower than native.)
+# Native probe runs this many times over the bar, the fastest of the first ``ABANDON_AFTER`` timed
+# runs included, are a slow reference kernel (20-100x FP32's time), not noise: timing stops there.
+# Slower runs short of it are noise the fastest of the runs drops. (Stopping at the bar itself let one
+# run slowed by the machine flip a kind: an AMD EPYC with AVX-512-BF16, whose native BF16 convolution
+# backward beats FP32 1.7x on the probe, was set to FP32 while the other core was busy, and its BF16
+# step ran 1.55x slower than native. Stopping at the first run over 4x the bar did the same to every
+# BF16 kind on that CPU with 1 thread and other jobs loading both cores: a run the scheduler
+# preempts takes one time slice, ~4 ms, more, 15-30x a 0.15-0.3 ms probe.)
 ABANDON_OVER_BAR = 4.0
+ABANDON_AFTER = 3
+# Timed runs per way and kind. The probe runs once per machine (the choice is recorded), so it can
+# afford more runs than a per-process probe could: the fastest of 15 is seldom one the machine slowed.
+PROBE_REPEATS = 15
 
 
 class Fp32Arithmetic:
@@ -432,15 +456,21 @@ def check_setting(setting: str) -> None:
         raise ValueError(f"precision.cpu_compute={setting!r} is not one of {', '.join(CPU_COMPUTE)}")
 
 
-def choices(setting: str, dtype: torch.dtype | None, device: torch.device | str) -> dict[str, str]:
+def choices(
+    setting: str, dtype: torch.dtype | None, device: torch.device | str, deterministic: bool | None = None
+) -> dict[str, str]:
     """Per kind of op, ``"native"`` or ``"fp32"`` for ``dtype`` operands on ``device`` under
-    ``precision.cpu_compute=setting`` (``auto`` probes once per process and dtype). Empty where the
-    knob changes nothing: a CUDA device, or a dtype that is not 16-bit."""
+    ``precision.cpu_compute=setting``. ``auto``: ``probe_choices`` (probed once per machine and
+    recorded), or ``feature_choices`` where ``deterministic`` (default: whether
+    ``torch.use_deterministic_algorithms`` is on, as ``trainer.deterministic=true`` sets it). Empty
+    where the knob changes nothing: a CUDA device, or a dtype that is not 16-bit."""
     check_setting(setting)
     if torch.device(device).type != "cpu" or dtype not in _SIXTEEN_BIT:
         return {}
     if setting == "auto":
-        return dict(probe_choices(dtype))
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+        return feature_choices(dtype) if deterministic else dict(probe_choices(dtype))
     return dict.fromkeys(KINDS, setting)
 
 
@@ -489,17 +519,150 @@ def reuse_freed_memory() -> bool:
     return done
 
 
-@functools.cache
 def probe_choices(dtype: torch.dtype) -> tuple[tuple[str, str], ...]:
-    """``auto``'s choice per kind for ``dtype`` on this CPU, timed once per process and logged."""
-    decided = decide(dtype, probe_seconds)
+    """``auto``'s choice per kind for ``dtype`` on this machine with torch's thread count: recorded
+    (``cpu_compute.json``), else probed now and recorded; read once per process and logged."""
+    return _machine_choices(dtype, torch.get_num_threads())
+
+
+# Part of a record's key: a change to the probe or to the rule (NATIVE_MUST_WIN, PROBE_REPEATS, the
+# probe's problems) makes every machine decide again.
+PROBE_VERSION = 2
+RECORD = "cpu_compute.json"  # in lowmem.kernels.cpu.cache_dir(), beside the compiled kernels
+
+
+def machine_key(dtype: torch.dtype, threads: int) -> dict[str, object]:
+    """What ``auto``'s choice depends on, other than chance: the record's key."""
+    model, flags = kernel_cache.cpu_identity()
+    return {
+        "cpu": model,
+        "flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "capability": torch.backends.cpu.get_cpu_capability(),  # ATEN_CPU_CAPABILITY lowers it
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")),
+        "threads": threads,
+        "dtype": str(dtype).removeprefix("torch."),
+        "probe": PROBE_VERSION,
+    }
+
+
+@functools.cache
+def _machine_choices(dtype: torch.dtype, threads: int) -> tuple[tuple[str, str], ...]:
+    machine = machine_key(dtype, threads)
+    try:
+        decided, source = _recorded_or_probed(machine, dtype)
+    except OSError as error:  # the cache directory refused (not private) or not writable
+        log.warning(
+            "precision.cpu_compute=auto cannot record its choice (%s): probed for this process alone, so runs may "
+            "compute differently; set LOWMEM_CACHE_DIR to a directory of your own, or precision.cpu_compute=fp32 "
+            "or native", str(error)[:300],
+        )
+        with _one_thread():
+            decided = decide(dtype, probe_seconds)
+        source = "probed, not recorded"
     log.info(
-        "precision.cpu_compute=auto on this CPU (%s) for %s: %s",
-        torch.backends.cpu.get_cpu_capability(),
-        str(dtype).removeprefix("torch."),
-        ", ".join(f"{kind} {choice}" for kind, choice in decided.items()),
+        "precision.cpu_compute=auto on this CPU (%s, %d threads) for %s: %s (%s)",
+        machine["capability"], threads, machine["dtype"],
+        ", ".join(f"{kind} {choice}" for kind, choice in decided.items()), source,
     )
     return tuple(decided.items())
+
+
+def _recorded_or_probed(machine: dict[str, object], dtype: torch.dtype) -> tuple[dict[str, str], str]:
+    """The choice recorded for ``machine`` in the record file, or one probed now and recorded there
+    (under the directory's lock: whoever comes second reads the first one's); and where it came from."""
+    directory = kernel_cache.cache_dir()
+    kernel_cache.private_directory(directory)
+    path = directory / RECORD
+    key = hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:16]
+    with kernel_cache.locked(directory, RECORD + ".lock"):
+        records = _read_records(path)
+        entry = records.get(key)
+        if entry is not None:
+            recorded = _recorded_choices(entry, machine)
+            if recorded is not None:
+                return recorded, f"recorded {entry.get('probed', '')} in {path}"
+            log.warning("precision.cpu_compute=auto: %s holds a damaged record for this machine; probing again", path)
+        timings: dict[str, dict[str, float]] = {}
+
+        def timed(kind: str, dtype: torch.dtype, fp32: bool, limit: float | None = None) -> float:
+            elapsed = probe_seconds(kind, dtype, fp32, limit=limit)
+            timings.setdefault(kind, {})["fp32" if fp32 else "native"] = round(elapsed, 7)
+            return elapsed
+
+        with _one_thread():
+            decided = decide(dtype, timed)
+        records[key] = {
+            "machine": machine,
+            "choices": decided,
+            "seconds": timings,
+            "probed": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
+        document = {"about": "precision.cpu_compute=auto's choices (lowmem.techniques.cpu_compute): delete this file "
+                             "to probe again", "records": records}  # fmt: skip
+        kernel_cache.write_atomically(path, (json.dumps(document, indent=1, sort_keys=True) + "\n").encode())
+    return decided, f"probed now, recorded in {path}"
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Torch's intra-op threads at one while the probe is timed. On several threads each run waits
+    for the slowest, and on a loaded machine one of them is often preempted: on a 2-core AMD EPYC
+    with other jobs running, 2-thread probe runs of a 0.2 ms op took 100-350 ms, and FP16 native
+    convolutions (100x slower than FP32) were chosen. One thread's fastest of 15 runs is steady
+    there (FP32 over native within +-3% from probe to probe)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _read_records(path) -> dict[str, dict]:
+    """The records of the record file; none if it is missing, and none with a warning if it is not
+    one (it is then rewritten whole)."""
+    if not path.is_file():
+        return {}
+    try:
+        records = json.loads(path.read_text())["records"]
+        if not isinstance(records, dict):
+            raise TypeError(f"records is a {type(records).__name__}")
+        return records
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        log.warning(
+            "precision.cpu_compute=auto: %s is not a record of choices (%s: %s); probing again and rewriting it",
+            path, type(error).__name__, str(error)[:100],
+        )
+        return {}
+
+
+def _recorded_choices(entry: object, machine: dict[str, object]) -> dict[str, str] | None:
+    """A record's choices if it is whole and for ``machine``, else None."""
+    if not isinstance(entry, dict) or entry.get("machine") != machine or not isinstance(entry.get("choices"), dict):
+        return None
+    chosen = entry["choices"]
+    if set(chosen) != set(KINDS) or not all(chosen[kind] in ("native", "fp32") for kind in KINDS):
+        return None
+    return {kind: chosen[kind] for kind in KINDS}
+
+
+def feature_choices(dtype: torch.dtype) -> dict[str, str]:
+    """``auto``'s choice without timing anything (``trainer.deterministic=true``): native for every
+    kind where the CPU has AMX tiles for BF16 (``amx_bf16``) and torch and oneDNN may use them
+    (capability AVX-512; no lower ``ONEDNN_MAX_CPU_ISA``): there native BF16 is about twice FP32's
+    speed. FP32 everywhere else: without AMX the two ways are within 2x of each other either way, or
+    native is a reference kernel 20-200x slower; FP16 convolution backward is slow even with
+    AVX-512-FP16."""
+    flags = kernel_cache.cpu_identity()[1].split()
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
+    amx = (
+        "amx_bf16" in flags
+        and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        and (isa in ("ALL", "DEFAULT") or "AMX" in isa)
+    )
+    return dict.fromkeys(KINDS, "native" if dtype == torch.bfloat16 and amx else "fp32")
 
 
 def decide(dtype: torch.dtype, seconds: Callable[..., float]) -> dict[str, str]:
@@ -536,13 +699,14 @@ def probe_seconds(
     dtype: torch.dtype,
     fp32: bool,
     limit: float | None = None,
-    repeats: int = 5,
+    repeats: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """The fastest of ``repeats`` runs (after one warm-up: first runs pay one-time set-up) of
-    ``kind``'s probe in ``dtype``, natively or under ``Fp32Arithmetic``; the time of the first
-    timed run that exceeds ``ABANDON_OVER_BAR`` times ``limit``, as soon as one does (a reference
-    kernel, which need not be timed again). ``clock``: seconds, for the runs' start and end."""
+    """The fastest of ``repeats`` runs (default ``PROBE_REPEATS``; after one warm-up: first runs pay
+    one-time set-up) of ``kind``'s probe in ``dtype``, natively or under ``Fp32Arithmetic``; the
+    fastest of the first ``ABANDON_AFTER`` if even it exceeds ``ABANDON_OVER_BAR`` times ``limit`` (a
+    reference kernel, which need not be timed again). ``clock``: seconds, for the runs' start and end."""
+    repeats = PROBE_REPEATS if repeats is None else repeats
     work = _probe_work(kind, dtype)
     context = (lambda: Fp32Arithmetic({kind})) if fp32 else contextlib.nullcontext
     best = float("inf")
@@ -553,9 +717,9 @@ def probe_seconds(
                 work()
                 elapsed = clock() - started
             if attempt:
-                if limit is not None and elapsed > ABANDON_OVER_BAR * limit:
-                    return elapsed
                 best = min(best, elapsed)
+                if attempt >= ABANDON_AFTER and limit is not None and best > ABANDON_OVER_BAR * limit:
+                    return best
     return best
 
 
