@@ -63,6 +63,9 @@ bench: $(STAMP)
 	$(PY) scripts/bench_state_bits.py --part blocks
 	$(PY) scripts/bench_compress.py --part memory
 	$(PY) scripts/bench_compress.py --part planner
+	$(PY) -c "import torchao" 2>/dev/null || $(PY) -m pip install --quiet torchao==0.18.0  # the usual stack's 8-bit AdamW
+	$(PY) scripts/bench_head_loss.py
+	OMP_NUM_THREADS=1 $(PY) scripts/bench_cpu_compute_choice.py
 
 # 8- and 4-bit optimizer state against 16-bit: WRN-28-2 and DynamicConv accuracy over 3 seeds
 # (~90 min on 2 CPU cores; resumable: finished runs are kept under outputs/bench_state_bits).
