@@ -285,8 +285,9 @@ class LossConfig:
         "`auto`, `none` or a number of tokens: the output layer and its cross-entropy computed that many tokens at a "
         "time in forward (and a slice of the vocabulary at a time in backward), saving only the hidden states and one "
         "FP32 log-sum-exp per token, never the logits. `auto`: chunked when the FP32 logits would exceed 8 MiB, each "
-        "chunk's logits at most max(4 MiB, the hidden states' size) but at least 128 tokens. Applies where a model's loss reads its output "
-        "layer's logits: the DynamicConv recipe and `transformers` models trained from `labels=`.",
+        "chunk's logits at most max(4 MiB, the hidden states' size) but at least 128 tokens. Applies where a model's "
+        "loss reads its output layer's logits: the DynamicConv recipe and `transformers` models trained from "
+        "`labels=`.",
     )
 
 
