@@ -378,7 +378,8 @@ def test_data_parallel_ranks_train_the_chunked_loss_as_the_unchunked(tmp_path):
         start_ranks(_rank_main, (2, _free_port(), str(run_dir), overrides), 2)
         weights[chunk] = torch.load(run_dir / "rank0.pt", weights_only=True)["params"]
     for name, value in weights["none"].items():
-        assert _worst(weights["16"][name], value) < 1e-12, name
+        # (absolute for the attention key biases, whose gradient is zero in exact arithmetic: ~1e-19 noise)
+        torch.testing.assert_close(weights["16"][name], value, rtol=1e-10, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "amp"])
