@@ -74,7 +74,11 @@ def batch_examples(batch: Any, what: str = "batch") -> int:
             f"{what}: its tensors disagree on dimension 0 ({shown}); a batch is split into microbatches along "
             "dimension 0, the examples, so every tensor must have the same length there"
         )
-    return next(iter(lengths.values()))
+    examples = next(iter(lengths.values()))
+    if examples == 0:
+        # An empty batch's mean loss is 0/0: a step of it would be a NaN step, not a no-op.
+        raise ValueError(f"{what} has 0 examples (its tensors are empty along dimension 0): pass at least one example")
+    return examples
 
 
 def split_examples(batch: Any, size: int) -> list[tuple[Any, float]]:
@@ -107,6 +111,8 @@ class LoopTask:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
         self.loss_fn = loss_fn
+        name = getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__)
+        self.loss_name = f"{getattr(loss_fn, '__module__', None) or type(loss_fn).__module__}.{name}"
 
     def build_model(self, cfg: Any) -> nn.Module:
         raise RuntimeError("a loop of the user's own brings its model (lowmem.prepare)")
@@ -142,11 +148,24 @@ class LoopTask:
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         loss = self.loss_fn(model, batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-            shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        wanted = "it must return the mean loss over the batch's examples, a floating-point scalar tensor"
+        which = f"loss_fn is {self.loss_name}"
+        if not isinstance(loss, torch.Tensor):
+            raise ValueError(f"loss_fn(model, batch) returned a {type(loss).__name__}: {wanted}; {which}")
+        if loss.numel() != 1:
+            raise ValueError(f"loss_fn(model, batch) returned {list(loss.shape)}: {wanted} (e.g. .mean()); {which}")
+        if not loss.is_floating_point():
             raise ValueError(
-                f"loss_fn(model, batch) returned {shape}: it must return the mean loss over the batch's examples, "
-                "a floating-point scalar tensor (e.g. F.cross_entropy(logits, labels))"
+                f"loss_fn(model, batch) returned a {loss.dtype} tensor: {wanted} (an integer count such as "
+                f"(pred == y).sum() has no gradient; e.g. F.cross_entropy(logits, labels)); {which}"
+            )
+        # Under torch.no_grad (the profiler's accounting passes) no loss requires grad: only a
+        # training forward can tell a loss cut off from the model's weights.
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise ValueError(
+                "loss_fn(model, batch) returned a loss that does not require grad, so backward cannot reach the "
+                "model's weights: compute it from the model's outputs (no .item(), .detach(), torch.no_grad() or "
+                f"torch.tensor(...) on the way); {which}"
             )
         return loss.reshape(())
 
@@ -271,7 +290,81 @@ def to_training(batch: Any, device: torch.device, input_dtype: torch.dtype, what
     )
 
 
+# The attribute ``_build`` leaves on a model it modified: PREPARED, or PART_WAY when it failed after
+# changing the model. Preparing modifies a model in place, once; a second time finds the first's
+# wrappers, casts and compact weights and fails deep in torch, so it is refused up front.
+MARKER = "_lowmem_prepared"
+PREPARED, PART_WAY = "prepared", "part-way"
+_DTYPE_PRECISIONS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+
+
+def check_model(model: nn.Module, precision: str) -> None:
+    """Refuse, before anything is changed, a model ``lowmem.prepare`` cannot train under
+    ``precision``: one prepared before, one without trainable parameters, or one whose weights are
+    not FP32 under ``fp32`` / ``amp`` (which keep the model's dtype; the others cast it)."""
+    name = type(model).__name__
+    state = model.__dict__.get(MARKER)
+    if state == PREPARED:
+        raise ValueError(
+            f"model {name} was already prepared by lowmem.prepare, which modifies a model in place, once: prepare "
+            "a fresh model (copy.deepcopy(model) before preparing) or keep using the first Run"
+        )
+    if state == PART_WAY:
+        raise ValueError(
+            f"model {name} was left part-way modified by a lowmem.prepare that failed: prepare a freshly built "
+            "model (or a copy.deepcopy(model) made before the first call)"
+        )
+    params = list(model.named_parameters())
+    if not any(p.requires_grad for _, p in params):
+        held = f"all {len(params)} have requires_grad=False" if params else "it has none"
+        raise ValueError(
+            f"model {name} has no trainable parameters ({held}): lowmem.prepare trains a model's parameters; "
+            "pass one with some that require grad"
+        )
+    other = [(n, p.dtype) for n, p in params if p.is_floating_point() and p.dtype != torch.float32]
+    if precision in ("fp32", "amp") and other:
+        first, dtype = other[0]
+        cast = f", or train in its dtype with precision={_DTYPE_PRECISIONS[dtype]} (lowmem casts the model)"
+        raise ConfigError(
+            f"precision={precision} keeps the model's dtype and trains FP32 weights, but model {name} has "
+            f"{len(other)} {dtype} parameters (e.g. {first}): call model.float() before lowmem.prepare"
+            f"{cast if dtype in _DTYPE_PRECISIONS else ''}"
+        )
+
+
+def _model_state(model: nn.Module) -> list[Any]:
+    """What ``_build`` changes when it changes a model: its modules' attributes, hooks, children,
+    parameters and buffers (which objects), and their tensors' dtypes, devices and in-place
+    versions. No tensor data is read."""
+    state: list[Any] = []
+    for path, module in model.named_modules():
+        for key, value in vars(module).items():
+            if isinstance(value, dict):
+                value = [(k, id(v)) for k, v in value.items()]
+            elif not isinstance(value, bool | int | float | str | None):
+                value = id(value)
+            state.append((path, key, value))
+        for key, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            state.append((path, key, tensor.dtype, tensor.device, tensor.shape, tensor._version))
+    return state
+
+
 def _build(cfg: DictConfig, model: nn.Module, task: LoopTask, example_batch: Any) -> Any:
+    """``model`` prepared under ``cfg``, marked so that it is not prepared again (``check_model``);
+    left unmarked when refused before any change."""
+    check_model(model, cfg.precision.name)
+    before = _model_state(model)
+    try:
+        trainer = _build_trainer(cfg, model, task, example_batch)
+    except BaseException:
+        if _model_state(model) != before:
+            object.__setattr__(model, MARKER, PART_WAY)
+        raise
+    object.__setattr__(model, MARKER, PREPARED)
+    return trainer
+
+
+def _build_trainer(cfg: DictConfig, model: nn.Module, task: LoopTask, example_batch: Any) -> Any:
     from lowmem import distributed
     from lowmem.trainer import apply_techniques, start_run
 
@@ -295,6 +388,12 @@ def prepare(model: nn.Module, loss_fn: LossFn, example_batch: Any, overrides: Se
         examples is ``data.batch_size``: microbatch sizes are checked against it, and
         ``run.profile()`` and ``plan`` measure it).
     overrides: knobs as on the command line, e.g. ``["precision=bf16", "microbatch.size=10"]``.
+
+    Refused in one line before anything changes (``check_model``): a model prepared before (a
+    prepare modifies it once), one without trainable parameters, one whose parameters are not FP32
+    under ``precision=fp32`` (the default) or ``amp`` (a ConfigError: ``model.float()`` or the
+    16-bit precision), and an empty ``example_batch``. A loss that is not a floating-point scalar
+    requiring grad is refused at the first ``run.step``, before any update.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")

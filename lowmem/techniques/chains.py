@@ -447,6 +447,11 @@ class ChainRunner:
         self.observer: Callable | None = None  # the planner's recorder (lowmem.planning.measure)
         self._last: _Last | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The last block call (a weak reference to its output) lives for one forward only: a
+        # pickled model (torch.save(run.model)) or a copy starts its next forward without it.
+        return {**self.__dict__, "_last": None}
+
     def unwrap(self) -> None:
         for block, forward in zip(self.blocks, self.forwards, strict=True):
             if forward.own is None:

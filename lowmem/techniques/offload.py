@@ -30,6 +30,7 @@ is the one place that touches CUDA: tests drive the hooks through a test double 
 
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 from typing import Any, Protocol
@@ -182,6 +183,22 @@ class ActivationOffload(ForwardSavedTensorHooks):
     def host_bytes(self) -> int:
         """Pinned host memory the pool holds (bytes)."""
         return self.pool.held_bytes
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pinned buffers and a device's copy stream belong to this process: torch.save(model) of an
+        # offloaded model would fail on them deep inside pickle (or on a forward's weak references).
+        raise TypeError(
+            "a model trained with checkpointing.offload=true cannot be pickled whole (its pinned host buffers and "
+            "copy stream belong to this process): save torch.save(model.state_dict(), path), or run.state_dict() "
+            "to resume"
+        )
+
+    def __deepcopy__(self, memo: dict) -> ActivationOffload:
+        # What deepcopy does without __reduce_ex__ (compact.dense_copy copies an offloaded model).
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
 
     def _starts(self, args: tuple) -> None:
         self._order, self.offloaded_bytes = [], 0
