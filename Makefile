@@ -66,11 +66,13 @@ bench: $(STAMP)
 	$(PY) -c "import torchao" 2>/dev/null || $(PY) -m pip install --quiet torchao==0.18.0  # the usual stack's 8-bit AdamW
 	$(PY) scripts/bench_head_loss.py
 	OMP_NUM_THREADS=1 $(PY) scripts/bench_cpu_compute_choice.py
+	OMP_NUM_THREADS=1 $(PY) scripts/plan_targets.py
 
 # 8- and 4-bit optimizer state against 16-bit: WRN-28-2 and DynamicConv accuracy over 3 seeds
 # (~90 min on 2 CPU cores; resumable: finished runs are kept under outputs/bench_state_bits).
 bench-accuracy: $(STAMP)
 	$(PY) scripts/bench_state_bits.py --part accuracy --seeds 0 1 2 --json outputs/bench_state_bits/accuracy.json
+	$(PY) scripts/bench_chunked_loss_accuracy.py --seeds 0 1 --json outputs/bench_chunked_loss/bleu.json
 
 # Compressed saved activations (checkpointing.compress) against uncompressed: WRN-28-2 BF16 on digits (none,
 # 8, 4, 2 bits) and DynamicConv on phrases (none, 8) over 3 seeds (resumable: outputs/bench_compress).

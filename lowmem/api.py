@@ -409,17 +409,28 @@ def plan(
     budget_mb: float,
     overrides: Sequence[str] = (),
     top: int = 10,
+    verify: bool = True,
 ) -> dict[str, Any]:
-    """The best configuration of ``model`` whose accounted total fits ``budget_mb`` (MB = 1e6
-    bytes), searched as ``python -m lowmem.plan`` searches (``lowmem.planning.search``): a dict with
-    ``"overrides"`` (knob=value strings for ``prepare``), ``"total_bytes"``, the accounting and
+    """The best configuration of ``model`` that fits ``budget_mb`` (MB = 1e6 bytes), searched as
+    ``python -m lowmem.plan`` searches (``lowmem.planning.search``): its accounted total with the
+    step's temporaries fits, and with ``verify`` (``plan.verify``, the default) so does the measured
+    peak of one real step of it built alone (one that does not is skipped for the next).
+
+    Returns a dict with ``"overrides"`` (knob=value strings for ``prepare``), ``"total_bytes"``,
+    ``"budget_total_bytes"``, ``"peak_bytes"`` (measured; None unverified), the accounting,
     ``"refused"`` (a line per configuration that could not be built or accounted, whatever it
-    raised, with why: skipped). ``model`` is not modified (each configuration is built on a copy).
-    Raises ConfigError when nothing fits, naming the smallest achievable figure."""
+    raised, with why: skipped) and ``"tried"`` (every configuration built, in order: ``overrides``,
+    ``searched_mb``, ``accounted_mb``, ``measured_mb``, ``verdict``). ``model`` is not modified (each
+    configuration is built on a copy). Raises ``lowmem.planning.budget.NothingFits`` (a ConfigError)
+    when nothing fits, naming the smallest figure reached (measured, with ``verify``): its
+    ``tried`` is the same table, its ``smallest`` the smallest configuration's entry."""
     if not isinstance(budget_mb, int | float) or isinstance(budget_mb, bool) or not math.isfinite(budget_mb):
         raise ConfigError(f"budget_mb={budget_mb!r} is not allowed: a finite number of MB > 0")
     task = LoopTask(loss_fn)
     examples = batch_examples(example_batch, "example_batch")
+    # A model prepared before, or without trainable parameters, refused up front (not as every
+    # configuration refused when built); its dtype is each precision's to check ("fp64" casts any).
+    check_model(model, "fp64")
     # The overrides are checked before any search; checkpointing.budget_mb is the search's to
     # choose (lowmem.plan refuses one given), so a fixed checkpointing.strategy=optimal is checked with one.
     optimal = "checkpointing.strategy=optimal" in [str(o).lstrip("+") for o in overrides]
@@ -428,4 +439,6 @@ def plan(
     def build(cfg: DictConfig) -> Any:
         return _build(as_loop_config(cfg), copy.deepcopy(model), task, example_batch)
 
-    return plan_search([*loop_defaults(examples), *overrides], budget_mb, top=top, build=build, echo=False)
+    return plan_search(
+        [*loop_defaults(examples), *overrides], budget_mb, top=top, verify=verify, build=build, echo=False
+    )

@@ -389,8 +389,9 @@ class PlanConfig:
         None, "Required: the accounted total plus the step's temporaries to fit, in MB (1e6 bytes)."
     )
     verify: bool = knob(
-        False,
-        "Also run one real step of the chosen configuration; one whose measured peak exceeds the budget is skipped.",
+        True,
+        "Run one real step of the chosen configuration built alone: one whose measured peak exceeds the budget is "
+        "skipped for the next (false: trust the accounted total with the step's temporaries, no step run).",
     )
     top: int = knob(10, "Rows of the table of configurations that fit.")
     world_size: int = knob(

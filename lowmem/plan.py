@@ -1,28 +1,33 @@
 """``python -m lowmem.plan +recipe=... plan.budget_mb=X [knobs to fix]``: the best configuration for a budget.
 
-Searches density, precision, optimizer state bits (``optim.state_bits``: the precision's width, 8,
-4), microbatch size and checkpointing (``optimal`` included) for the configurations whose accounted
-total (the report's model + optimizer + activations, exactly as ``lowmem.profile`` prints it for
-the first minibatch) plus the step's temporaries a real step holds beyond it (``budget_total_bytes``:
-compact sparse positions as stored, dense weight temporaries, gradient accumulation, the largest op
-temporary) is at most X MB (1e6 bytes); any searched knob given on the command line is
-fixed to that value (``lowmem.planning.search``). Preference: the highest density (accuracy), then
-the widest optimizer state (accuracy), then the widest saved activations (``checkpointing.compress``
-with optimal checkpointing: none, 8, 4, 2 bits), then the largest microbatch (speed), then the
-fewest FLOPs.
+Searches density, precision (fp32, and bf16 where BF16 runs at full speed, else fp16), optimizer
+state bits (``optim.state_bits``: the precision's width, 8, 4), microbatch size (down to one
+example), checkpointing (``optimal`` included) and the chunked loss (``loss.chunk_tokens``: none,
+auto, where the model has an output layer) for the configurations whose accounted total (the
+report's model + optimizer + activations, exactly as ``lowmem.profile`` prints it for the first
+minibatch) plus what a real step holds beyond it (``budget_total_bytes``: compact sparse positions
+as stored, the model's buffers, the data, and every temporary the step's own tensors hold beyond the
+activations) is at most X MB (1e6 bytes); any searched knob given on the command line is fixed to
+that value (``lowmem.planning.search``). Preference: the highest density (accuracy), then the widest
+optimizer state (accuracy), then the widest saved activations (``checkpointing.compress`` with
+optimal checkpointing: none, 8, 4, 2 bits), then the largest microbatch (speed), then the fewest
+FLOPs (the unchunked loss has fewer).
 
-Prints a table of the best ``plan.top`` configurations (state bits, accounted total, FLOPs, and the
-accuracy the report measured for them where it has a figure), then the chosen one built and
-profiled as ``lowmem.profile`` would (``plan.verify=true``: with one real step, for its measured
-peak; an optimal schedule is taken from the search rather than measured again, and measured again
-if the built trainer's accounting differs; a configuration whose build is refused, whatever it
-raises, whose figure built alone exceeds the budget or, verified, whose measured peak does, is
-skipped for the next one),
-and as the **last stdout line** one JSON object with
-``"overrides"`` (``knob=value`` strings to add to the same command line for ``lowmem.train``) and
-``"total_bytes"`` (and ``"refused"``: one line per configuration the search or the build refused,
-with why). Also written to ``plan.json`` in Hydra's run directory. When nothing fits, it
-fails (non-zero exit) naming the smallest achievable total and its configuration.
+A plan is a promise (``plan.verify=true``, the default): the chosen configuration is built as
+``lowmem.train`` builds it and one real step measured; one whose build is refused, whatever it
+raises, or whose measured peak exceeds the budget (unverified: whose figure built alone does) is
+skipped for the next; where the search's figures fall short of what built configurations hold, it
+searches again below the budget by that shortfall; the configuration of the smallest figure is tried
+last (``lowmem.planning.budget``). Prints a table of the best ``plan.top`` configurations (state
+bits, accounted total, FLOPs, and the accuracy the report measured for them where it has a figure),
+each configuration built and its verdict, then the chosen one's profile, and as the **last stdout
+line** one JSON object with ``"overrides"`` (``knob=value`` strings to add to the same command line
+for ``lowmem.train``), ``"total_bytes"``, ``"budget_total_bytes"``, ``"peak_bytes"`` (measured),
+``"refused"`` (one line per configuration the search or the build refused, with why) and
+``"tried"`` (each configuration built: overrides, figures, verdict). Also written to ``plan.json`` in
+Hydra's run directory. When nothing fits, it fails (non-zero exit) naming one figure, the smallest
+configuration's (its measured peak, verified) and that configuration: any budget of at least that
+figure gets a plan.
 """
 
 from __future__ import annotations

@@ -11,7 +11,12 @@ reason sends nothing, and the work is done here as before.
 
 Used only where it is safe and worth it: ``os.fork`` exists, at least two CPUs are usable, CUDA is
 not initialized in this process (a forked child cannot use it), no process group is (the child
-must not take part in collectives), and not inside a child itself.
+must not take part in collectives), not inside a child itself, and not once a child found autograd
+unusable: after this process has run a backward pass on fake tensors (every accounting does), torch
+refuses autograd in a forked child ("Unable to handle autograd's threading in combination with
+fork-based multiprocessing"; its engine started device threads for the fake tensors' device). The
+child says so (``_FORK_REFUSED``) and no child is forked again in this process: the work is done
+here, as with one CPU.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Any
 import torch
 
 _IN_CHILD = False
+_AUTOGRAD_REFUSES_FORKS = False  # a child found autograd refusing to run after the fork
+_FORK_REFUSED = b"\x00lowmem: autograd refuses forked children"  # what such a child sends
 log = logging.getLogger("lowmem")
 
 
@@ -39,7 +46,7 @@ def in_child() -> bool:
 
 def usable() -> bool:
     """Whether a forked helper can run here (see the module docstring)."""
-    if _IN_CHILD or not hasattr(os, "fork"):
+    if _IN_CHILD or _AUTOGRAD_REFUSES_FORKS or not hasattr(os, "fork"):
         return False
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -72,9 +79,12 @@ class Ahead:
             _IN_CHILD = True
             os.close(read)
             payload = b""
-            with contextlib.suppress(BaseException):
+            try:
                 torch.set_num_threads(1)  # the parent's thread pool did not survive the fork
                 payload = pickle.dumps(self.compute(task), protocol=pickle.HIGHEST_PROTOCOL)
+            except BaseException as error:  # noqa: BLE001 - the parent computes it; it needs only to know why
+                if "fork-based multiprocessing" in str(error):
+                    payload = _FORK_REFUSED
             with contextlib.suppress(BaseException):
                 with os.fdopen(write, "wb") as pipe:
                     pipe.write(payload)
@@ -109,7 +119,10 @@ class Ahead:
         with os.fdopen(read, "rb") as pipe:
             payload = pipe.read()
         os.waitpid(pid, 0)
-        if payload:
+        if payload == _FORK_REFUSED:
+            global _AUTOGRAD_REFUSES_FORKS
+            _AUTOGRAD_REFUSES_FORKS = True
+        elif payload:
             try:
                 data = pickle.loads(payload)
             except Exception:  # noqa: BLE001 - a garbled answer is no answer: computed here instead

@@ -45,7 +45,7 @@ from lowmem.config import ConfigError
 from lowmem.planning.measure import FakePasses, OutsidePass, measure_chain, measured, outside_pass
 from lowmem.planning.schedule import ChainCosts, Plan, cheapest_plan, describe, exposed_transfer, smallest_plan
 from lowmem.profiler import MB
-from lowmem.profiler.report import replayed_activations
+from lowmem.profiler.report import live_bytes, replayed_activations
 from lowmem.profiler.step import distinct_microbatches
 from lowmem.techniques.chains import ensure_chains
 from lowmem.techniques.checkpointing import Segment, apply_schedule
@@ -66,6 +66,25 @@ class Accounted:
     activation_bytes: int
     flops: int
     complete: bool
+    # The most bytes the passes' own tensors held at once (``ActivationTrace.live_bytes``: every
+    # temporary at its moment too; in a step of several microbatches, weight gradients until added to
+    # the previous ones'), of the shapes accounted; and without those weight gradients.
+    live_bytes: int = 0
+    live_without_gradients_bytes: int = 0
+
+    @property
+    def beyond_bytes(self) -> int:
+        """What a real step holds beyond the report's activations: the ``pass_temporaries`` of
+        ``lowmem.profiler.profile_step``."""
+        return max(0, self.live_bytes - self.activation_bytes)
+
+    def beyond_bytes_at(self, density: float) -> int:
+        """``beyond_bytes`` of the same step with its sparsifiable weights at ``density``: the weight
+        gradients being accumulated scale with it (those of compact weights hold their active
+        entries only), interpolated from the dense model's passes (the most of a sum over moments
+        is convex in the density: the interpolation bounds it)."""
+        gradients = self.live_bytes - self.live_without_gradients_bytes
+        return max(0, self.live_without_gradients_bytes + round(density * gradients) - self.activation_bytes)
 
 
 class MinibatchAccounting:
@@ -87,13 +106,17 @@ class MinibatchAccounting:
             if parts and getattr(trainer, "replays_microbatches", False)
             else None
         )
-        self._figures: dict[Hashable, list[tuple[int, int]]] = {}  # per shape: activation bytes, FLOPs x count
+        # A step of several microbatches adds each weight gradient into the previous ones' sum.
+        self.accumulating = sum(count for _, _, count in parts) > 1
+        # Per schedule, per shape: activation bytes, FLOPs x count, live bytes (``live_accumulating_bytes``
+        # when accumulating), live bytes without the weight gradients being accumulated.
+        self._figures: dict[Hashable, list[tuple[int, int, int, int]]] = {}
 
     def account(self, key: Hashable, apply: Callable[[], object], above: int | None = None) -> Accounted:
         """The accounting of the schedule ``key`` that ``apply()`` makes the model run; with ``above``,
         it may stop at the first shape whose activations exceed ``above`` bytes."""
         figures = self._figures.setdefault(key, [])
-        if len(figures) < len(self.parts) and (above is None or max((a for a, _ in figures), default=0) <= above):
+        if len(figures) < len(self.parts) and (above is None or max((f[0] for f in figures), default=0) <= above):
             apply()
             trainer = self.trainer
             trainer.model.train()
@@ -103,23 +126,27 @@ class MinibatchAccounting:
                     for part, weight, count in self.parts[len(figures) :]:
                         step = functools.partial(trainer.microbatch_backward, weight=weight, local=True)
                         trace = passes.account(step, part)
-                        figures.append((trace.activation_bytes, trace.flops * count))
+                        model = trainer.unwrapped_model
+                        live = live_bytes(trace, model, self.accumulating)
+                        first = live_bytes(trace, model, False)  # no earlier microbatch's gradients to add to
+                        figures.append((trace.activation_bytes, trace.flops * count, live, first))
                         if above is not None and trace.activation_bytes > above:
                             break
 
             measured(account)  # on real tensors where a fake pass cannot run (a mixture of experts)
         complete = len(figures) == len(self.parts)
-        activations = max(a for a, _ in figures)
+        activations = max(f[0] for f in figures)
         if complete and self.replayed is not None:
-            pool, eager = replayed_activations([(a, i == self.replayed) for i, (a, _) in enumerate(figures)])
+            pool, eager = replayed_activations([(f[0], i == self.replayed) for i, f in enumerate(figures)])
             activations = pool + eager
-        return Accounted(activations, sum(f for _, f in figures), complete)
+        flops = sum(f[1] for f in figures)
+        return Accounted(activations, flops, complete, max(f[2] for f in figures), max(f[3] for f in figures))
 
-    def found(self) -> dict[Hashable, list[tuple[int, int]]]:
+    def found(self) -> dict[Hashable, list[tuple[int, int, int, int]]]:
         """The per-shape figures accounted so far, per schedule (plain data, for ``merge``)."""
         return {key: list(figures) for key, figures in self._figures.items()}
 
-    def merge(self, found: dict[Hashable, list[tuple[int, int]]]) -> None:
+    def merge(self, found: dict[Hashable, list[tuple[int, int, int, int]]]) -> None:
         """Take figures another process accounted for this trainer's configuration (shapes come
         largest first everywhere: a longer list extends a shorter one)."""
         for key, figures in found.items():
@@ -160,6 +187,18 @@ class AccountedSchedule:
     activation_bytes: int
     flops: int
     exposed: int = 0
+    live_bytes: int = 0  # ``Accounted.live_bytes``
+    live_without_gradients_bytes: int = 0
+
+    @property
+    def beyond_bytes(self) -> int:
+        """What a real step holds beyond the report's activations (``Accounted.beyond_bytes``)."""
+        return max(0, self.live_bytes - self.activation_bytes)
+
+    def beyond_bytes_at(self, density: float) -> int:
+        """``Accounted.beyond_bytes_at``."""
+        return Accounted(self.activation_bytes, self.flops, True, self.live_bytes,
+                         self.live_without_gradients_bytes).beyond_bytes_at(density)  # fmt: skip
 
 
 class BudgetTooSmall(ConfigError):
@@ -268,9 +307,10 @@ class CheckpointPlacement:
         return False
 
     def largest_op(self) -> int:
-        """The largest forward op's new outputs at any of the minibatch's shapes (bytes: the step
-        temporary ``largest_op`` a built configuration's check adds), read off the outside passes,
-        run here for the shapes not run yet (``costs`` takes them)."""
+        """The largest forward op's new outputs at any of the minibatch's shapes (bytes: a temporary
+        every schedule holds beside its activations, a lower bound of what a built configuration
+        holds beyond them), read off the outside passes, run here for the shapes not run yet
+        (``costs`` takes them)."""
         for index, (part, weight, _) in enumerate(self._distinct()):
             if index not in self._outside:
                 with _own_random_streams(self.trainer):
@@ -341,7 +381,10 @@ class CheckpointPlacement:
         if key not in self._accounted:
             accounted = self._accounted_figures(plan)
             exposed = exposed_transfer(self.costs, plan.schedules)
-            self._accounted[key] = AccountedSchedule(plan, accounted.activation_bytes, accounted.flops, exposed)
+            self._accounted[key] = AccountedSchedule(
+                plan, accounted.activation_bytes, accounted.flops, exposed, accounted.live_bytes,
+                accounted.live_without_gradients_bytes,
+            )  # fmt: skip
         return self._accounted[key]
 
     def _accounted_figures(self, plan: Plan, above: int | None = None) -> Accounted:

@@ -3,13 +3,20 @@
 Searched knobs (one fixed on the command line is searched over its value only):
 
 - ``sparsity.density``: the report's values 1.0, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05;
-- ``precision``: fp32, fp16 (accounted on fake tensors, which compute nothing: fp16's figures are
-  bf16's bytes, and planning fp16 on a CPU costs no FP16 arithmetic);
-- ``optim.state_bits``: the precision's own width (the knob's null: 32 with fp32, 16 with fp16),
-  then 8 and 4 (blockwise-quantized momentum buffers, ``optim.state_block_size`` values a scale);
-- ``microbatch.size``: none, then every divisor of ``data.batch_size`` from half of it down to 2
-  (WRN's 100: 50, 25, 20, 10, 5, 4, 2, with the report's 10 and 4) that the recipe can cut the
+- ``precision``: fp32, then one 16-bit precision (``precisions_for``): bf16 wherever BF16 runs at
+  full speed (a CPU whose ``precision.cpu_compute`` computes the products at FP32's speed at least,
+  natively where that is faster; a GPU of compute capability 8.0 or later), else fp16 (accounted on
+  fake tensors, which compute nothing: planning a 16-bit precision costs no 16-bit arithmetic);
+- ``optim.state_bits``: the precision's own width (the knob's null: 32 with fp32, 16 with bf16 or
+  fp16), then 8 and 4 (blockwise-quantized momentum buffers, ``optim.state_block_size`` values a scale);
+- ``microbatch.size``: none, then every divisor of ``data.batch_size`` from half of it down to 1
+  (WRN's 100: 50, 25, 20, 10, 5, 4, 2, 1, with the report's 10 and 4) that the recipe can cut the
   first minibatch into (token microbatches must hold the longest sentence pair);
+- ``loss.chunk_tokens``, where the model has an output layer to chunk
+  (``lowmem.techniques.head_loss.output_heads``): none, then auto, toggled on the searched models
+  between accountings. The unchunked loss computes no logits again in backward: fewer FLOPs, so it
+  ranks first where both fit; where auto does not chunk (logits below its size) the two account
+  alike and the configuration is listed unchunked only;
 - checkpointing: none, no_bn, residual every 1 and 2, residual_star every 1 to 4 (those the model's
   blocks support), and ``optimal`` with the activation budget the other knobs leave;
 - ``checkpointing.compress``, when the command line allows compressed saved activations down to a
@@ -28,17 +35,22 @@ Preference, in this order: the highest density (accuracy: the report's Tables 3 
 as density falls), then the widest optimizer state (the precision's own width, then 8, then 4 bits:
 quantization error), then the widest saved activations (uncompressed, then 8, 4, 2 bits), then the
 largest microbatch (speed: fewer, larger kernels), then the fewest
-FLOPs (recomputation), then fp32 before fp16 (no loss-scale skips), then the smallest total.
+FLOPs (recomputation, the chunked loss's logits computed again), then fp32 before the 16-bit
+precision (no rounding), then the smallest figure.
 
 Every figure is the report's accounting as ``lowmem.profile`` prints it for the first minibatch,
-each knob's share accounted once and combined. What fits the budget is that total plus the step's
-temporaries that depend on density and microbatching (``lowmem.profiler.step_temporaries``:
-compact sparse positions as stored, a compact layer's dense weight and gradient, gradient
-accumulation), which a real step holds on top of the accounting; ``lowmem.plan`` then checks the
-chosen configuration built alone, with its largest op temporary too (``budget_total_bytes``).
-``optimal``, whose schedules fill the activation budget they are given to the byte, is given the
-room less that temporary (read off its outside passes: the same under every schedule), or the check
-would skip every one of them. Model and optimizer bytes depend on density,
+each knob's share accounted once and combined. What fits the budget is that total plus what a real
+step holds beyond it (``Candidate.budget_total_bytes``, the profile's ``budget_total_bytes``):
+what depends on density and the data (``lowmem.profiler.step_temporaries``: compact sparse
+positions as stored, the model's buffers; a compact layer's dense weight; the minibatch), and what
+the step's own tensors hold beyond the activations, read off each accounting's pass
+(``Accounted.beyond_bytes_at``: every temporary of forward and backward at its moment, saved tensors
+at their real size, weight gradients until they are added to the previous microbatches' sum, a
+recomputed block's first check). ``lowmem.plan`` then builds the chosen configuration and, with
+``plan.verify``, measures it (``lowmem.planning.budget``). ``optimal``, whose schedules fill the
+activation budget they are given to the byte, is given the room less the step's largest op (every
+schedule holds it), then less what the schedule found held beyond the room, a few times
+(``_within``). Model and optimizer bytes depend on density,
 precision and state bits only: counted per triple on the precision's trainer, without drawing
 masks or building an optimizer (``lowmem.profiler.account_state``; sparse weights as CSR).
 Activation bytes and FLOPs depend on precision, microbatch and checkpointing only: one model per
@@ -58,8 +70,11 @@ Microbatch sizes are ruled out first by what the model holds outside its residua
 (``CheckpointPlacement.below_floor``, a lower bound of every schedule: one fake pass per shape,
 no block measured); blocks are measured only for the sizes the search reaches. With two CPUs or
 more, a forked child (``lowmem.planning.ahead``) accounts the next size while this process
-accounts the current one, and ``lowmem.plan`` has the best configuration built and profiled by
-another as soon as it is known: the caches they fill are the answer a single process finds.
+accounts the current one, and ``lowmem.plan`` (unverified) has the best configuration built and
+profiled by another as soon as it is known: the caches they fill are the answer a single process
+finds. (torch refuses autograd in a child forked after this process ran a backward pass on fake
+tensors, which the search's first accounting does: the first child says so, and the work is then
+done in this process alone.)
 """
 
 from __future__ import annotations
@@ -86,14 +101,24 @@ from lowmem.planning.reported import reported_metric
 from lowmem.profiler import MB, StateBytes, account_state, step_temporaries
 from lowmem.profiler.activations import quieted
 from lowmem.profiler.real_passes import first_line
+from lowmem.profiler.report import data_bytes
+from lowmem.profiler.state import dense_weight_bytes
+from lowmem.profiler.step import data_tensors
 from lowmem.sharding import planned_gathered_bytes
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.compression import allowed_widths, apply_compression, compression_of, validate_compress
+from lowmem.techniques.cpu_compute import choices
+from lowmem.techniques.head_loss import install as install_chunking
+from lowmem.techniques.head_loss import output_heads, validate_chunk_tokens
 from lowmem.techniques.offload import apply_offload, link_flops_per_byte, offload_of
 from lowmem.trainer import Trainer, build_trainer, resolve_device
 
+# Optimal's activation budget lowered by what its schedule held beyond the room, then bisected (``_within``).
+TEMPORARY_STEPS, TEMPORARY_BISECTIONS = 2, 3
 DENSITIES = (1.0, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05)  # the report's Table 3 / 4 and figure values
-PRECISIONS = ("fp32", "fp16")  # preference order among equal FLOPs
+# loss.chunk_tokens searched where a model has an output layer to chunk: none first (faster: no
+# logits computed again in backward; its fewer FLOPs rank it first where both fit), then auto.
+CHUNKS = ("none", "auto")
 FIXED_STRATEGIES = (
     ("none", 1), ("no_bn", 1), ("residual", 1), ("residual", 2),
     ("residual_star", 1), ("residual_star", 2), ("residual_star", 3), ("residual_star", 4),
@@ -103,7 +128,26 @@ T = TypeVar("T")
 SEARCHED = (
     "sparsity.density", "precision", "optim.state_bits", "microbatch.size", "checkpointing.strategy",
     "checkpointing.every", "checkpointing.compress", "checkpointing.offload", "trainer.gradient_sync",
+    "loss.chunk_tokens",
 )  # fmt: skip
+
+
+def precisions_for(cfg: DictConfig) -> tuple[str, ...]:
+    """The precisions searched on ``cfg``'s device, in preference order among equal FLOPs: fp32 (no
+    rounding), then one 16-bit precision: bf16 wherever BF16 runs at full speed (no loss scale, no
+    skipped steps), else fp16. On CUDA, bf16 where the GPU computes it natively (compute capability
+    8.0 and later); on a CPU, bf16 unless ``precision.cpu_compute=native`` leaves BF16 to kernels
+    slower than FP32 there (with ``auto`` or ``fp32``, lowmem.techniques.cpu_compute computes the
+    products at FP32's speed at least, natively where that is faster)."""
+    device = resolve_device(cfg.trainer.device)
+    if device.type == "cuda":
+        fast = torch.cuda.is_bf16_supported(including_emulation=False)
+    elif device.type == "cpu":
+        setting = cfg.precision.cpu_compute
+        fast = setting != "native" or all(c == "native" for c in choices("auto", torch.bfloat16, device).values())
+    else:
+        fast = False
+    return ("fp32", "bf16" if fast else "fp16")
 
 
 @dataclass(frozen=True)
@@ -126,6 +170,7 @@ class Candidate:
     compress: int | None = None  # checkpointing.compress (optimal only): the narrowest width allowed
     offload: bool = False  # checkpointing.offload: optimal's schedule offloads blocks
     gradient_sync: str | None = None  # plan.world_size > 1 with microbatches: trainer.gradient_sync
+    chunk: str | None = None  # loss.chunk_tokens (None: not searched, the model has no output layer to chunk)
 
     @property
     def total_bytes(self) -> int:
@@ -165,6 +210,8 @@ class Candidate:
             knobs["checkpointing.offload"] = "true"
         if self.gradient_sync is not None:
             knobs["trainer.gradient_sync"] = self.gradient_sync
+        if self.chunk is not None:
+            knobs["loss.chunk_tokens"] = self.chunk
         return knobs
 
 
@@ -213,6 +260,7 @@ class Planner:
         self.base = [o for o in given if knob_of(o) not in SEARCHED]
         self.cfg = compose_config(*given)
         cfg = self.cfg
+        self.device = resolve_device(cfg.trainer.device)
         # plan.world_size=N: per-rank memory under trainer.parallel=fsdp, planned in this process:
         # the activations of one rank's share of the minibatch (built with data.batch_size / N), the
         # first rank's shards of the weights, gradients and state, and the weights gathered at once.
@@ -226,11 +274,11 @@ class Planner:
             self.base.append(f"data.batch_size={cfg.data.batch_size // world_size}")
             cfg = compose_config(*given, f"data.batch_size={cfg.data.batch_size // world_size}")
         self.densities = (cfg.sparsity.density,) if "sparsity.density" in self.fixed else DENSITIES
-        self.precisions = (cfg.precision.name,) if "precision" in self.fixed else PRECISIONS
+        self.precisions = (cfg.precision.name,) if "precision" in self.fixed else precisions_for(cfg)
         # Per precision, the optim.state_bits searched: None (its own width), 8, 4, or the fixed value.
         self.state_bits = {precision: self._state_bits_for(precision) for precision in self.precisions}
         batch = cfg.data.batch_size
-        divisors = [size for size in range(batch // 2, 1, -1) if batch % size == 0]
+        divisors = [size for size in range(batch // 2, 0, -1) if batch % size == 0]
         self.microbatches: tuple[int | None, ...] = (
             (cfg.microbatch.size,) if "microbatch.size" in self.fixed else (None, *divisors)
         )
@@ -243,15 +291,19 @@ class Planner:
         self.compressions = self._compressions()
         self.offload_allowed = self._offload_allowed()
         self.syncs = self._syncs()
+        self.chunk_values = self._chunk_values()
         self._states: dict[tuple[float, str, int | None], StateBytes] = {}
         self._temporaries: dict[tuple[float, str, int | None], int] = {}
         self._trainers: dict[tuple[str, int | None], Trainer | None] = {}
         self._valid: dict[str, tuple[int | None, ...]] = {}
-        self._placements: dict[tuple[str, int | None, int | None], CheckpointPlacement] = {}
+        # Per (precision, microbatch, compress, chunk).
+        self._placements: dict[tuple[str, int | None, int | None, str | None], CheckpointPlacement] = {}
         self._accountings: dict[tuple[str, int | None], MinibatchAccounting] = {}
-        # Schedules the blocks cannot run, or whose build or accounting raised, with why (a refused
-        # optimal: (precision, microbatch, "optimal", compress)); never chosen.
-        self._refused: dict[tuple[str, int | None, str, int | None], str] = {}
+        self._chunking: dict[tuple[str, int | None], bool] = {}  # per (precision, microbatch): ``_chunking_changes``
+        # Schedules the blocks cannot run, or whose build or accounting raised, with why, by
+        # (precision, microbatch, strategy, every, chunk) (a refused optimal: (precision, microbatch,
+        # "optimal", compress, chunk)); never chosen.
+        self._refused: dict[tuple[str, int | None, str, int | None, str | None], str] = {}
 
     def _state_bits_for(self, precision: str) -> tuple[int | None, ...]:
         """The optim.state_bits values searched with ``precision``, widest first (None: its width)."""
@@ -304,6 +356,64 @@ class Planner:
             )
         return True
 
+    def _chunk_values(self) -> tuple[str, ...]:
+        """The loss.chunk_tokens values searched where the model has an output layer to chunk: none,
+        then auto (fixed on the command line: that value)."""
+        if "loss.chunk_tokens" in self.fixed:
+            value = validate_chunk_tokens(self.cfg.loss.chunk_tokens)
+            return ("none" if value is None else str(value),)
+        return CHUNKS
+
+    def _chunks_at(self, precision: str, microbatch: int | None) -> tuple[str | None, ...]:
+        """The loss.chunk_tokens values searched at (precision, microbatch): ``chunk_values`` where the
+        model has an output layer (``lowmem.techniques.head_loss.output_heads``) and chunking changes
+        its step there, else the first alone (auto leaves logits below its size whole: the same
+        step), or None (nothing to chunk: the knob is left as it is)."""
+        trainer = self._trainer_for(precision, microbatch)
+        if trainer is None or not output_heads(trainer.unwrapped_model):
+            return (None,)
+        if len(self.chunk_values) > 1 and not self._chunking_changes(precision, microbatch):
+            return self.chunk_values[:1]
+        return self.chunk_values
+
+    def _chunking_changes(self, precision: str, microbatch: int | None) -> bool:
+        """Whether the chunk settings searched account differently at (precision, microbatch): one
+        pass each without checkpointing (the first fixed strategy's, reused by the search), where
+        every strategy would otherwise be accounted once per setting for the same figures."""
+        key = (precision, microbatch)
+        if key not in self._chunking:
+            model = self._trainer_for(precision, microbatch).unwrapped_model
+            figures = set()
+            try:
+                for chunk in self.chunk_values:
+
+                    def apply(chunk: str = chunk) -> None:
+                        self._chunked(precision, microbatch, chunk)
+                        apply_checkpointing(model, "none", 1)
+
+                    accounted = self._accounting(precision, microbatch).account((chunk, "none", 1), apply)
+                    figures.add((accounted.activation_bytes, accounted.flops, accounted.live_bytes))
+            except Exception:  # noqa: BLE001 - unknown: both settings are searched, and refused there if so
+                if ahead.in_child():
+                    raise
+                figures = {"unknown", "either"}
+            self._chunking[key] = len(figures) > 1
+        return self._chunking[key]
+
+    def _least_chunk(self, precision: str, microbatch: int | None) -> str | None:
+        """The chunk setting of the least memory at (precision, microbatch): the last searched (None:
+        nothing to chunk)."""
+        trainer = self._trainer_for(precision, microbatch)
+        if trainer is None or not output_heads(trainer.unwrapped_model):
+            return None
+        return self.chunk_values[-1]
+
+    def _chunked(self, precision: str, microbatch: int | None, chunk: str | None) -> None:
+        """Make the model of (precision, microbatch) compute its loss as ``chunk`` says (the searched
+        trainers share one model per precision: set before each of its passes)."""
+        if chunk is not None:
+            install_chunking(self._trainer_for(precision, microbatch).unwrapped_model, chunk)
+
     def _syncs(self) -> tuple[str, ...]:
         """The trainer.gradient_sync values searched where they differ (plan.world_size > 1, with
         microbatches): ``minibatch`` first (one reduce-scatter per minibatch instead of one per
@@ -345,7 +455,7 @@ class Planner:
                             if task[3] == microbatch:
                                 next_task(task, len(found) + len(group))
                                 group.extend(self._fitting(*task))
-                        group.sort(key=lambda c: (c.flops, self.precisions.index(c.precision), c.total_bytes))
+                        group.sort(key=lambda c: (c.flops, self.precisions.index(c.precision), c.budget_total_bytes))
                         if group and not found and first is not None:
                             first(group[0])
                         found.extend(group)
@@ -389,17 +499,23 @@ class Planner:
                     helper.collect()
                 # What this process computes next (``task`` itself unless merged), then the child's.
                 pending = [t for t in tasks[index:] if t not in merged]
-                if helper.running() is None and len(pending) >= 2:
+                if helper.running() is None and len(pending) >= 2 and ahead.usable():
                     helper.start(pending[1])
 
             yield next_task
 
     def export(self, precision: str, microbatch: int | None, compress: int | None = None) -> dict:
-        """What this planner measured and accounted for (precision, microbatch, compress): plain data."""
+        """What this planner measured and accounted for (precision, microbatch, compress), every
+        chunk setting: plain data."""
         key = (precision, microbatch)
-        placement, accounting = self._placements.get((*key, compress)), self._accountings.get(key)
+        placements = {
+            chunk: placement.found()
+            for (*at, chunk), placement in self._placements.items()
+            if tuple(at) == (*key, compress)
+        }
+        accounting = self._accountings.get(key)
         return {
-            "placement": None if placement is None else placement.found(),
+            "placements": placements,
             "figures": None if accounting is None else accounting.found(),
             "refused": {refused: why for refused, why in self._refused.items() if refused[:2] == key},
         }
@@ -408,15 +524,16 @@ class Planner:
         """Take another process's ``export`` for (precision, microbatch, compress) into the caches."""
         if self._trainer_for(precision, microbatch) is None:
             return
-        if data["placement"] is not None:
-            self._placement(precision, microbatch, compress).merge(data["placement"])
+        for chunk, found in data["placements"].items():
+            self._placement(precision, microbatch, compress, chunk).merge(found)
         if data["figures"] is not None:
             self._accounting(precision, microbatch).merge(data["figures"])
         self._refused |= data["refused"]
 
     def smallest(self) -> Candidate:
-        """The configuration with the smallest accounted total in the searched space: the lowest
-        density at the smallest microbatch (activations grow with it), at its smallest schedule."""
+        """The configuration with the smallest accounted total and step temporaries
+        (``Candidate.budget_total_bytes``) in the searched space: the lowest density at the smallest
+        microbatch (activations grow with it), at its smallest schedule, the loss chunked where it can be."""
         density = min(self.densities)
         with _quiet_builds():
             found = [
@@ -428,26 +545,29 @@ class Planner:
             ]
         if not found:
             raise ConfigError("lowmem.plan: the fixed checkpointing.strategy does not run on this model's blocks")
-        return min(found, key=lambda candidate: candidate.total_bytes)
+        return min(found, key=lambda candidate: candidate.budget_total_bytes)
 
     def _smallest_at(self, density: float, precision: str, bits: int | None) -> list[Candidate | None]:
         microbatch = self._valid_sizes(precision)[-1]
+        chunk = self._least_chunk(precision, microbatch)
         state = self.state_bytes(density, precision, bits)
         temporary = self.temporary_bytes(density, precision, microbatch)
         found = []
         for compress in self.compressions if self._optimal_allowed else ():
-            least = self._with_placement(precision, microbatch, compress, lambda placement: placement.smallest())
+            least = self._with_placement(precision, microbatch, compress, lambda placement: placement.smallest(), chunk)
             if least is not None:
                 room = least.activation_bytes
                 found.append(
-                    self._optimal(density, precision, bits, microbatch, state, least, room, temporary, compress)
+                    self._optimal(density, precision, bits, microbatch, state, least, room, temporary, compress, chunk)
                 )
-        if found:  # no fixed strategy goes below optimal's smallest
-            return found
+        # Optimal's smallest is the least activations; a fixed strategy may hold fewer temporaries.
         return [
-            self._fixed(density, precision, bits, microbatch, s, e, state, temporary=temporary)
-            for s, e in self.strategies
-            if s != "optimal"
+            *found,
+            *(
+                self._fixed(density, precision, bits, microbatch, s, e, state, temporary=temporary, chunk=chunk)
+                for s, e in self.strategies
+                if s != "optimal"
+            ),
         ]
 
     def overrides(self, candidate: Candidate) -> list[str]:
@@ -467,7 +587,7 @@ class Planner:
         """Drop the search's trainers and accountings (models, fake-pass caches), keeping only the
         placements ``keep``'s optimal schedules are built from: what the search leaves alive is not
         the chosen run's, and is freed before that run is built and measured."""
-        needed = {(c.precision, c.microbatch, c.compress) for c in keep if c.strategy == "optimal"}
+        needed = {(c.precision, c.microbatch, c.compress, c.chunk) for c in keep if c.strategy == "optimal"}
         self._placements = {key: placement for key, placement in self._placements.items() if key in needed}
         self._trainers.clear()
         self._accountings.clear()
@@ -479,7 +599,7 @@ class Planner:
         measuring again (the caller accounts the trainer, and builds again without ``reuse`` when the
         figures differ from the candidate's)."""
         cfg = self.compose(candidate)
-        key = (candidate.precision, candidate.microbatch, candidate.compress)
+        key = (candidate.precision, candidate.microbatch, candidate.compress, candidate.chunk)
         if not reuse or candidate.strategy != "optimal" or key not in self._placements:
             return self.build(cfg)
         with reusing_placement(self._placements[key]):
@@ -534,54 +654,86 @@ class Planner:
         compress: int | None,
         sync: str | None,
     ) -> list[Candidate]:
-        state = self.state_bytes(density, precision, bits)
+        """``_fitting``'s configurations at one gradient ``sync``, every chunk setting of the loss."""
         if self._trainer_for(precision, microbatch) is None:
             return []
+        fitting: list[Candidate] = []
+        for chunk in self._chunks_at(precision, microbatch):
+            for candidate in self._fitting_chunked(density, precision, bits, microbatch, compress, sync, chunk):
+                # Chunking that changes nothing here (logits below auto's size): listed unchunked only.
+                if not any(_same_figures(candidate, other) for other in fitting):
+                    fitting.append(candidate)
+        return fitting
+
+    def _fitting_chunked(
+        self,
+        density: float,
+        precision: str,
+        bits: int | None,
+        microbatch: int | None,
+        compress: int | None,
+        sync: str | None,
+        chunk: str | None,
+    ) -> list[Candidate]:
+        state = self.state_bytes(density, precision, bits)
         room = self._room(density, precision, bits, microbatch, sync)
         temporary = self.temporary_bytes(density, precision, microbatch, sync)
         if room <= 0:
             return []
         # No schedule goes below optimal's smallest.
-        reaches = self._with_placement(precision, microbatch, compress, lambda placement: placement.reaches(room))
+        reaches = self._with_placement(
+            precision, microbatch, compress, lambda placement: placement.reaches(room), chunk
+        )
         if reaches is False:
             return []
-        optimal = self._with_placement(precision, microbatch, compress, lambda placement: _within(placement, room))
+        optimal = self._with_placement(
+            precision, microbatch, compress, lambda placement: _within(placement, room, density), chunk
+        )
         if compress is not None:
             if optimal is None or "bit" not in str(optimal[0].plan):  # compresses nothing: listed without compression
                 return []
-            return [self._optimal(density, precision, bits, microbatch, state, *optimal, temporary, compress)]
+            return [self._optimal(density, precision, bits, microbatch, state, *optimal, temporary, compress, chunk)]
         fitting = []
         for strategy, every in self.strategies:
             if strategy != "optimal":
-                candidate = self._fixed(density, precision, bits, microbatch, strategy, every, state, room, temporary)
+                candidate = self._fixed(
+                    density, precision, bits, microbatch, strategy, every, state, room, temporary, chunk
+                )
                 if candidate is not None:
                     fitting.append(candidate)
         if optimal is not None:
             accounted = optimal[0]
             # A schedule that is one of the fixed patterns is listed under its simpler name only.
             if not any((c.activation_bytes, c.flops) == (accounted.activation_bytes, accounted.flops) for c in fitting):
-                fitting.append(self._optimal(density, precision, bits, microbatch, state, *optimal, temporary))
+                fitting.append(
+                    self._optimal(density, precision, bits, microbatch, state, *optimal, temporary, None, chunk)
+                )
         return fitting
 
     @staticmethod
     def _optimal(
         density: float, precision: str, bits: int | None, microbatch: int | None, state: StateBytes,
         accounted: AccountedSchedule, budget: int, temporary: int, compress: int | None = None,
+        chunk: str | None = None,
     ) -> Candidate:  # fmt: skip
-        """Optimal checkpointing within ``budget`` activation bytes, as ``accounted`` (its schedule)."""
+        """Optimal checkpointing within ``budget`` activation bytes, as ``accounted`` (its schedule);
+        its temporaries: ``temporary`` (the state's) and what its passes held beyond the activations."""
         schedule = str(accounted.plan)
         return Candidate(
             density, precision, microbatch, "optimal", None, budget, state.model_bytes, state.optimizer_bytes,
-            accounted.activation_bytes, accounted.flops, schedule, bits, temporary, compress, "offload" in schedule,
+            accounted.activation_bytes, accounted.flops, schedule, bits, temporary + accounted.beyond_bytes_at(density),
+            compress,
+            "offload" in schedule, chunk=chunk,
         )  # fmt: skip
 
     def _fixed(
         self, density: float, precision: str, bits: int | None, microbatch: int | None, strategy: str,
-        every: int | None, state: StateBytes, room: int | None = None, temporary: int = 0,
+        every: int | None, state: StateBytes, room: int | None = None, temporary: int = 0, chunk: str | None = None,
     ) -> Candidate | None:  # fmt: skip
-        """A fixed strategy's candidate; None when the blocks cannot run it, or (with ``room``) when
-        its activations exceed ``room`` bytes."""
-        key = (precision, microbatch, strategy, every)
+        """A fixed strategy's candidate with the loss chunked as ``chunk`` says; None when the blocks
+        cannot run it, or (with ``room``) when its activations and what its passes hold beyond them
+        exceed ``room`` bytes."""
+        key = (precision, microbatch, strategy, every, chunk)
         if key in self._refused:
             return None
         model = self._trainer_for(precision, microbatch).unwrapped_model
@@ -590,21 +742,26 @@ class Planner:
         except ValueError:  # the blocks do not support it (no_bn / residual_star on any block)
             self._refused[key] = ""
             return None
+
+        def apply() -> None:
+            self._chunked(precision, microbatch, chunk)
+            apply_checkpointing(model, strategy, every)
+
         try:
-            accounted = self._accounting(precision, microbatch).account(
-                (strategy, every), lambda: apply_checkpointing(model, strategy, every), above=room
-            )
+            accounted = self._accounting(precision, microbatch).account((chunk, strategy, every), apply, above=room)
         except Exception as error:  # noqa: BLE001 - whatever stops it, the configuration is refused, not chosen
             if ahead.in_child():
                 raise
             self._refused[key] = _first_line(error)
             return None
-        if room is not None and accounted.activation_bytes > room:
+        beyond = accounted.beyond_bytes_at(density)
+        if room is not None and accounted.activation_bytes + beyond > room:
             return None
         every = every if strategy in ("residual", "residual_star") else None
         return Candidate(
             density, precision, microbatch, strategy, every, None, state.model_bytes, state.optimizer_bytes,
-            accounted.activation_bytes, accounted.flops, state_bits=bits, temporary_bytes=temporary,
+            accounted.activation_bytes, accounted.flops, state_bits=bits,
+            temporary_bytes=temporary + beyond, chunk=chunk,
         )  # fmt: skip
 
     def _valid_sizes(self, precision: str) -> tuple[int | None, ...]:
@@ -675,13 +832,12 @@ class Planner:
             )
         return self._states[key]
 
-    def temporary_bytes(
-        self, density: float, precision: str, microbatch: int | None, sync: str | None = None
-    ) -> int:
-        """The step's temporaries beyond the accounting at ``density`` and ``microbatch``
-        (``lowmem.profiler.step_temporaries``, weights as ``state_bytes`` counts them), with
-        ``plan.world_size`` above 1 the weights gathered and their gradients under gradient ``sync``
-        (None: ``microbatch``, the least memory)."""
+    def temporary_bytes(self, density: float, precision: str, microbatch: int | None, sync: str | None = None) -> int:
+        """The step's temporaries beyond the accounting and its passes at ``density`` and
+        ``microbatch`` (``lowmem.profiler.step_temporaries``, weights as ``state_bytes`` counts them;
+        the data the step reads), with ``plan.world_size`` above 1 the weights gathered and their
+        gradients under gradient ``sync`` (None: ``microbatch``, the least memory). What the passes
+        hold beyond the activations comes with each accounting (``Accounted.beyond_bytes``)."""
         key = (density, precision, microbatch, sync)
         if key not in self._temporaries:
             trainer = self._trainer_for(precision, None)
@@ -689,7 +845,8 @@ class Planner:
             sparse = self._sparse_weights(trainer, density)
             batch = self.cfg.data.batch_size // self.world_size
             microbatches = 1 if microbatch is None else -(-batch // microbatch)
-            self._temporaries[key] = step_temporaries(model, sparse, microbatches).total
+            data = data_bytes(data_tensors(trainer, trainer.example_batch()))
+            self._temporaries[key] = step_temporaries(model, sparse).total + dense_weight_bytes(model, sparse) + data
             self._temporaries[key] += self.gathered_bytes(density, precision, sync if microbatches > 1 else None)
         return self._temporaries[key]
 
@@ -752,22 +909,28 @@ class Planner:
         return self._trainers[key]
 
     def _below_floor(self, precision: str, microbatch: int | None, room: int) -> bool:
-        """``CheckpointPlacement.below_floor`` at (precision, microbatch); False where the pass it
-        takes is refused (no bound known: the strategies are accounted one by one)."""
-        below = self._with_placement(precision, microbatch, None, lambda placement: placement.below_floor(room))
+        """``CheckpointPlacement.below_floor`` at (precision, microbatch), the loss chunked where it can
+        be (the least memory); False where the pass it takes is refused (no bound known: the
+        strategies are accounted one by one)."""
+        chunk = self._least_chunk(precision, microbatch)
+        below = self._with_placement(precision, microbatch, None, lambda placement: placement.below_floor(room), chunk)
         return bool(below)
 
     def _with_placement(
-        self, precision: str, microbatch: int | None, compress: int | None, ask: Callable[[CheckpointPlacement], T]
-    ) -> T | None:
-        """``ask(placement)`` of optimal at (precision, microbatch, compress); None where optimal is not
-        searched, or is refused there: whatever its measurement raises (a block it cannot measure, a
-        step fake and real passes cannot run) refuses optimal at that configuration, never the plan."""
-        key = (precision, microbatch, "optimal", compress)
+        self, precision: str, microbatch: int | None, compress: int | None, ask: Callable[[CheckpointPlacement], T],
+        chunk: str | None = None,
+    ) -> T | None:  # fmt: skip
+        """``ask(placement)`` of optimal at (precision, microbatch, compress), the loss chunked as
+        ``chunk`` says; None where optimal is not searched, or is refused there: whatever its
+        measurement raises (a block it cannot measure, a step fake and real passes cannot run)
+        refuses optimal at that configuration, never the plan."""
+        key = (precision, microbatch, "optimal", compress, chunk)
         if not self._optimal_allowed or key in self._refused:
             return None
         try:
-            return ask(self._placement(precision, microbatch, compress))
+            placement = self._placement(precision, microbatch, compress, chunk)
+            self._chunked(precision, microbatch, chunk)
+            return ask(placement)
         except Exception as error:  # noqa: BLE001 - whatever stops it, the configuration is refused, not chosen
             if ahead.in_child():
                 raise
@@ -778,16 +941,21 @@ class Planner:
         """Why configurations were refused during the search, one line per distinct reason (the
         strategies a model's blocks do not support, refused silently, left out)."""
         lines: dict[tuple[str, str], None] = {}
-        for (_, _, strategy, every), why in self._refused.items():
+        for (_, _, strategy, every, chunk), why in self._refused.items():
             if why:
                 label = strategy if strategy == "optimal" or every is None else f"{strategy} every {every}"
+                if chunk is not None:
+                    label += f" with loss.chunk_tokens={chunk}"
                 lines[(label, why)] = None
         return [f"checkpointing.strategy={label}: {why}" for label, why in lines]
 
-    def _placement(self, precision: str, microbatch: int | None, compress: int | None = None) -> CheckpointPlacement:
+    def _placement(
+        self, precision: str, microbatch: int | None, compress: int | None = None, chunk: str | None = None
+    ) -> CheckpointPlacement:
         """The placement at (precision, microbatch) with compression down to ``compress``, and offloading
-        where the command line allows it."""
-        key = (precision, microbatch, compress)
+        where the command line allows it, for the loss chunked as ``chunk`` says (its passes outside
+        the blocks differ: the logits)."""
+        key = (precision, microbatch, compress, chunk)
         if key not in self._placements:
             trainer = self._trainer_for(precision, microbatch)
             link = link_price(trainer) if self.offload_allowed else None
@@ -812,13 +980,51 @@ def link_price(trainer: Trainer) -> float:
     return link_flops_per_byte(trainer.device, policy.autocast_dtype or policy.param_dtype)
 
 
-def _within(placement: CheckpointPlacement, room: int) -> tuple[AccountedSchedule, int] | None:
-    """Optimal's cheapest schedule whose activations fit ``room`` bytes with the step's largest op
-    beside them, and the activation budget it was planned for; None when none fits. Its schedules
-    fill their budget to the byte, and a built configuration's check adds that temporary: without
-    it every one of them would be skipped there."""
+def _within(placement: CheckpointPlacement, room: int, density: float) -> tuple[AccountedSchedule, int] | None:
+    """Optimal's cheapest schedule whose activations, with what its passes hold beyond them at
+    ``density`` (``beyond_bytes_at``), fit ``room`` bytes, and the activation budget it was planned
+    for; None when none fits.
+
+    Its schedules fill their activation budget to the byte, and a built configuration's check adds
+    what the step holds beyond the activations, which grows as a schedule recomputes more: the
+    budget starts at the room less the step's largest op (every schedule holds it) and is lowered by
+    what the schedule found there held beyond the room (``TEMPORARY_STEPS`` times at most); where
+    that still does not fit, the largest budget that does is bisected for between the smallest
+    schedule's activations and the last budget tried (``TEMPORARY_BISECTIONS`` times)."""
     budget = room - placement.largest_op()
-    return (placement.cheapest(budget), budget) if placement.reaches(budget) else None
+    if not placement.reaches(budget):
+        budget = None
+    over = None  # the lowest activation budget tried whose schedule held more than the room
+    for _ in range(TEMPORARY_STEPS if budget is not None else 0):
+        accounted = placement.cheapest(budget)
+        excess = accounted.activation_bytes + accounted.beyond_bytes_at(density) - room
+        if excess <= 0:
+            return accounted, budget
+        over, budget = budget, budget - excess
+        if not placement.reaches(budget):
+            break
+    smallest = placement.smallest()
+    if smallest.activation_bytes + smallest.beyond_bytes_at(density) > room:
+        return None
+    best, low = (smallest, smallest.activation_bytes), smallest.activation_bytes
+    high = over if over is not None else low
+    for _ in range(TEMPORARY_BISECTIONS):
+        if high - low <= 1:
+            break
+        middle = (low + high) // 2
+        accounted = placement.cheapest(middle)
+        if accounted.activation_bytes + accounted.beyond_bytes_at(density) <= room:
+            best, low = (accounted, middle), middle
+        else:
+            high = middle
+    return best
+
+
+def _same_figures(candidate: Candidate, other: Candidate) -> bool:
+    """Whether two configurations differing in the chunk setting alone account alike (auto does not
+    chunk logits below its size): the first is then listed alone."""
+    figures = ("strategy", "every", "activation_bytes", "flops", "temporary_bytes", "microbatch", "precision")
+    return candidate.chunk != other.chunk and all(getattr(candidate, f) == getattr(other, f) for f in figures)
 
 
 def _first_line(error: BaseException) -> str:

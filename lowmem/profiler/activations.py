@@ -81,6 +81,7 @@ SAVED_FORM = "_lowmem_saved_form"
 # The device query C++ code sends through the dispatch modes for every fake tensor it checks (most
 # of a fake pass's calls, chiefly the autograd engine's): answered at once, as the fake mode would.
 _DEVICE_QUERY = torch.ops.prim.device.default
+_RECOMPUTING = -1  # in the live record: a moment backward recomputes (never an allocation number)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,22 @@ class ActivationTrace:
     # temporary of a step, outside the report's accounting (backward's outputs are activation and
     # weight gradients, which it counts).
     largest_op_bytes: int = 0
+    # The most bytes the pass's own tensors held at once, each storage at its real size from the op
+    # that made it until it died: saved and recomputed tensors (ReLU's output whole), activation
+    # gradients, and every temporary of forward and backward (a loss's logits, a chunk of them in a
+    # chunked loss's backward, a grouped convolution's backward scratch tensors). Weight gradients
+    # (optimizer memory) and offloaded copies (host memory) are left out. What a real step holds on
+    # top of the model and optimizer state, which the report's activations leave out.
+    live_bytes: int = 0
+    live_location: str = ""  # where ``live_bytes`` peaked: "<phase>: <op or autograd node>"
+    # ``live_bytes`` of a microbatch after the first of a step: each weight gradient counts from the
+    # op that makes it until it is added into the ``.grad`` the previous microbatches left (a
+    # checkpointed segment's backward returns its blocks' gradients together, at its end).
+    live_accumulating_bytes: int = 0
+    # The most of ``live_bytes`` (``live_accumulating_bytes``) at a moment backward recomputes (a
+    # checkpointed segment saves a tensor): where a run's first step checks a recomputed block.
+    live_recomputing_bytes: int = 0
+    live_recomputing_accumulating_bytes: int = 0
     compressed_bytes: int = 0  # of max_saved_bytes, stored compressed (SAVED_FORM), at that moment
     offloaded_bytes: int = 0  # saved tensors held in host memory instead, at most at once
 
@@ -317,6 +334,16 @@ class ActivationTracer(TorchDispatchMode):
         self._mask_keys = itertools.count(-1, -1)  # negative: never a storage key
         self._last_op = ""
         self._hooks = contextlib.ExitStack()
+        # Every storage the pass creates, in order: (allocation number, +bytes at its creation with
+        # where, or -bytes at its death). Weight gradients are known only once they reach ``.grad``
+        # (at the end), so the live peak is read off this record then, leaving them out.
+        self._state = [t for t in exclude if isinstance(t, torch.Tensor)]
+        self._events: list[tuple[int, int, tuple[str, str] | None]] = []
+        self._allocation_of: dict[int, int] = {}  # live storage key -> its allocation number
+        self._allocations = itertools.count()
+        self._not_live: set[int] = set()  # allocation numbers left out: offloaded copies
+        self._gradients: set[int] = set()  # allocation numbers of weight gradients (known at the end)
+        self._closed: tuple[int, str, int, int, int] | None = None  # ``_live_peaks``, once the pass is over
 
     # --- saved tensors --------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Handle:
@@ -327,6 +354,9 @@ class ActivationTracer(TorchDispatchMode):
         handle = _Handle(tensor.detach())
         form = getattr(tensor, SAVED_FORM, None)
         if form == "offloaded":  # in host memory until backward fetches it: not on the device
+            number = self._number_of(tensor)
+            if number is not None:
+                self._not_live.add(number)
             nbytes = tensor.untyped_storage().nbytes()
             self.host_live += nbytes
             self.host_peak = max(self.host_peak, self.host_live)
@@ -343,6 +373,8 @@ class ActivationTracer(TorchDispatchMode):
             nbytes = end - start
         # Saved while a custom Function's backward runs: a checkpoint's recomputed graph.
         recomputing = isinstance(torch._C._current_autograd_node(), BackwardCFunction)
+        if recomputing and self._closed is None:
+            self._events.append((_RECOMPUTING, 0, None))
         weakref.finalize(handle, self.ledger.release, key)
         self.ledger.acquire(key, nbytes, "recomputed" if recomputing else "saved", start, form)
         return handle
@@ -382,13 +414,15 @@ class ActivationTracer(TorchDispatchMode):
         aliases = any(r.alias_info is not None for r in func._schema.returns)
         input_keys = {storage_key(t) for t in inputs}
         new_bytes = 0
+        self._last_op = func.overloadpacket.__name__
         for tensor in [] if aliases else outputs:
             key = storage_key(tensor)
             if key not in input_keys and key not in self.created:
                 self.created.add(key)
-                new_bytes += tensor.untyped_storage().nbytes()
+                nbytes = tensor.untyped_storage().nbytes()
+                new_bytes += nbytes
                 weakref.finalize(tensor.untyped_storage(), self.created.discard, key)
-        self._last_op = func.overloadpacket.__name__
+                self._allocated(tensor.untyped_storage(), key, nbytes)
         state_inputs = [t for t in inputs if storage_key(t) in self.from_state]
         # Forward ops on activations only: a compact layer's dense weight, built from model state,
         # is a temporary of its own (lowmem.profiler.step_temporaries).
@@ -411,6 +445,73 @@ class ActivationTracer(TorchDispatchMode):
                     if key is not None:
                         self.ledger.sent(key, 1)  # for the next op of this backward
         return out
+
+    # --- the live record: every storage the pass creates -------------------------------------------
+    def _allocated(self, storage: torch.UntypedStorage, key: int, nbytes: int) -> None:
+        if self._closed is not None:
+            return
+        number = next(self._allocations)
+        self._allocation_of[key] = number
+        self._events.append((number, nbytes, self._location()))
+        weakref.finalize(storage, self._freed, key, number, nbytes)
+
+    def _freed(self, key: int, number: int, nbytes: int) -> None:
+        if self._closed is not None:
+            return
+        if self._allocation_of.get(key) == number:
+            del self._allocation_of[key]
+        self._events.append((number, -nbytes, None))
+
+    def _number_of(self, tensor: torch.Tensor) -> int | None:
+        return self._allocation_of.get(storage_key(tensor))
+
+    def _accumulated(self, parameter: torch.Tensor) -> None:
+        """A weight gradient reached ``parameter.grad``: with an earlier microbatch's there, it would
+        have been added into it and freed now."""
+        number = self._number_of(parameter.grad)
+        if number is not None and self._closed is None:
+            self._events.append((number, 0, None))
+
+    def _live_peaks(self) -> tuple[int, str, int, int, int]:
+        """The live record's peak (bytes) and where, weight gradients left out; its peak with each
+        weight gradient counted until it was accumulated (``live_accumulating_bytes``); both at the
+        moments backward recomputes (``live_recomputing_bytes``, ``..._accumulating_bytes``)."""
+        if self._closed is not None:
+            return self._closed
+        live = peak = accumulating = accumulating_peak = recomputing = recomputing_accumulating = 0
+        where = ("", "")
+        made: dict[int, int] = {}  # weight gradients counted in ``accumulating``, by allocation number
+        for number, change, location in self._events:
+            if number == _RECOMPUTING:
+                recomputing = max(recomputing, live)
+                recomputing_accumulating = max(recomputing_accumulating, live + accumulating)
+                continue
+            if number in self._not_live:
+                continue
+            if number in self._gradients:
+                if change > 0:
+                    made[number] = change
+                    accumulating += change
+                elif number in made:  # accumulated (a marker) or freed first: no longer held
+                    accumulating -= made.pop(number)
+                accumulating_peak = max(accumulating_peak, live + accumulating)
+                continue
+            live += change
+            accumulating_peak = max(accumulating_peak, live + accumulating)
+            if live > peak:
+                peak, where = live, location
+        where_text = f"{where[0]}: {where[1]}" if peak else ""
+        return peak, where_text, accumulating_peak, recomputing, recomputing_accumulating
+
+    def _close_live_record(self) -> None:
+        # A weight gradient reaching ``.grad`` is optimizer memory (counted whole from the start).
+        for tensor in self._state:
+            number = None if tensor.grad is None else self._number_of(tensor.grad)
+            if number is not None:
+                self._gradients.add(number)
+        self._closed = self._live_peaks()
+        self._events.clear()
+        self._allocation_of.clear()
 
     def _track_storage(self, tensor: torch.Tensor, category: str) -> int | None:
         """Count ``tensor``'s storage (once) in ``category`` until the storage dies; its key
@@ -486,15 +587,20 @@ class ActivationTracer(TorchDispatchMode):
     # --- context --------------------------------------------------------------------------------
     def __enter__(self) -> ActivationTracer:
         self._hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        for tensor in self._state:
+            if tensor.requires_grad and tensor.is_leaf:
+                self._hooks.callback(tensor.register_post_accumulate_grad_hook(self._accumulated).remove)
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         self._hooks.close()
+        self._close_live_record()
 
     @property
     def trace(self) -> ActivationTrace:
         ledger = self.ledger
+        live, where, accumulating, recomputing, recomputing_accumulating = self._live_peaks()
         return ActivationTrace(
             activation_bytes=ledger.peak_needed,
             at_peak=dict(ledger.at_peak),
@@ -506,6 +612,11 @@ class ActivationTracer(TorchDispatchMode):
             saved_tensors=self.saved_tensors,
             flops=self.flops,
             largest_op_bytes=self.largest_op_bytes,
+            live_bytes=live,
+            live_location=where,
+            live_accumulating_bytes=accumulating,
+            live_recomputing_bytes=recomputing,
+            live_recomputing_accumulating_bytes=recomputing_accumulating,
             compressed_bytes=ledger.compressed_at_stored_peak,
             offloaded_bytes=self.host_peak,
         )

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowmem.profiler.activations import account_activations
+from lowmem.profiler.activations import ActivationTrace, account_activations
 from lowmem.profiler.peak import measure_peak
 from lowmem.profiler.state import account_state, step_temporaries
 
@@ -210,12 +210,18 @@ def profile_step(
     )
     held_activations = pool + eager if pool else activations.activation_bytes
     flops = sum(trace.flops * count for trace, count in traces)
-    state_temporaries = step_temporaries(model, sparse, sum(m.count for m in microbatches))
+    state_temporaries = step_temporaries(model, sparse)
+    # What the pass's own tensors held at once beyond the report's activations: every temporary of
+    # forward and backward at its moment, saved tensors at their real size; with several
+    # microbatches, each weight gradient too until it is added to the previous ones' (``live_bytes``).
+    accumulating = sum(m.count for m in microbatches) > 1
+    live = max(live_bytes(trace, model, accumulating) for trace, _ in traces)
     temporaries = {
         **state_temporaries._asdict(),
-        "largest_op": max(trace.largest_op_bytes for trace, _ in traces),
+        "data": data_bytes(data),
+        "pass_temporaries": max(0, live - held_activations),
     }
-    temporary_bytes = state_temporaries.total + temporaries["largest_op"]
+    temporary_bytes = sum(temporaries.values())
     seconds["accounting_and_flops"] = time.perf_counter() - started
     peak = None
     if train_step is not None:
@@ -256,6 +262,34 @@ def profile_step(
         dense_weights=dict(dense_weights or {}),
         seconds={k: round(v, 2) for k, v in seconds.items()},
     )
+
+
+# The run's first recomputation of each block of a detected chain checks it against a fingerprint of
+# its forward's output (``lowmem.techniques.block_checks``): a hash of its bits, a chunk of 2**16
+# elements at a time, with three int64 temporaries per element (the bits, their positions, their
+# product). A fake pass skips it (no values); the live record adds it where backward recomputes.
+# (The profiler sits below the techniques: the chunk and the models that have chains are named here,
+# and tests/test_plan_promise.py checks them against lowmem.techniques.)
+RECOMPUTATION_CHECK_BYTES = 3 * 8 * (1 << 16)
+CHAINS_ATTRIBUTE = "_lowmem_block_chains"  # lowmem.techniques.chains: a root model's chain runners
+
+
+def live_bytes(trace: ActivationTrace, model: nn.Module | None, accumulating: bool) -> int:
+    """What a real step's microbatch holds of its own at most, as ``trace`` saw it (``live_bytes``;
+    ``accumulating``: a step of several microbatches, each weight gradient added into the previous
+    ones'), with the scratch of the checks of a recomputed block on top where the pass recomputed
+    blocks of ``model``'s detected chains (``RECOMPUTATION_CHECK_BYTES``)."""
+    live = trace.live_accumulating_bytes if accumulating else trace.live_bytes
+    recomputing = trace.live_recomputing_accumulating_bytes if accumulating else trace.live_recomputing_bytes
+    if recomputing and getattr(model, CHAINS_ATTRIBUTE, None):
+        live = max(live, recomputing + RECOMPUTATION_CHECK_BYTES)
+    return live
+
+
+def data_bytes(data: Sequence[torch.Tensor]) -> int:
+    """Bytes of the data set resident on the device and the minibatch (``data``), each storage once."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in data if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
 
 
 def replayed_activations(shapes: Sequence[tuple[int, bool]]) -> tuple[int, int]:

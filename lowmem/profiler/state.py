@@ -165,46 +165,57 @@ COMPACT_DENSIFY_CHUNK, COMPACT_INDEX_SCRATCH_BYTES = 1 << 17, 8 + 4
 
 
 class StepTemporaries(NamedTuple):
-    """What a real step holds beyond the report's accounting (bytes), by cause: the figure a
-    memory budget is compared with is the accounted total plus ``total``.
+    """What a real step holds beyond the report's accounting and the pass's own tensors (bytes), by
+    cause: the figure a memory budget is compared with is the accounted total, what the pass held
+    beyond its activations (``lowmem.profiler.activations.ActivationTrace.live_bytes``, weight
+    gradients being accumulated included) and ``total``.
 
     positions: compact sparse positions as stored (int16 columns, int64 row starts) less their CSR
         bits the accounting counts.
-    dense_weights: the dense weight (or its gradient: one at a time) a compact sparse layer builds
-        while it computes, the largest layer's, with the index scratch that builds it.
-    accumulation: with several microbatches, the largest weight gradient computed while the
-        previous microbatches' sum is held, and the sum it makes.
+    buffers: the model's buffers other than compact positions (BatchNorm statistics, masks), which
+        the report's model bytes leave out.
     """
 
     positions: int = 0
-    dense_weights: int = 0
-    accumulation: int = 0
+    buffers: int = 0
 
     @property
     def total(self) -> int:
-        # Both at once: a compact layer's dense weight gradient is made while the previous
-        # microbatches' sum and this one's gradient are held (measured: torchvision resnet18,
-        # density 0.3, microbatches of 2, peak in a compact convolution's backward).
-        return self.positions + self.dense_weights + self.accumulation
+        return self.positions + self.buffers
 
 
 def step_temporaries(
-    model: nn.Module,
-    sparse: Mapping[str, tuple[Sequence[int], int]] | None = None,
-    microbatches: int = 1,
+    model: nn.Module, sparse: Mapping[str, tuple[Sequence[int], int]] | None = None
 ) -> StepTemporaries:
     """``StepTemporaries`` of a step of ``model`` whose weights ``sparse`` (name -> dense shape,
-    active count, as ``account_state`` takes them) are compact, cut into ``microbatches``."""
+    active count, as ``account_state`` takes them) are compact."""
     sparse = dict(sparse or {})
-    positions = dense = accumulation = 0
-    for name, param in model.named_parameters():
-        shape, nonzeros = sparse.get(name, (param.shape, param.numel()))
+    positions = 0
+    for name in dict(model.named_parameters()):
         if name in sparse:
+            shape, nonzeros = sparse[name]
             rows = max(1, -(-math.prod(shape) // COMPACT_ROW))
             stored = nonzeros * COMPACT_COLUMN_BYTES + (rows + 1) * COMPACT_ROW_START_BYTES
             positions += max(0, stored - csr_index_bytes(shape, nonzeros))
+    # Compact positions are buffers too, counted above as stored.
+    positions_suffixes = ("_columns", "_row_starts", "lowmem_compact_columns")
+    buffers = {
+        buffer.untyped_storage()._cdata: buffer.untyped_storage().nbytes()
+        for name, buffer in model.named_buffers()
+        if not name.endswith(positions_suffixes)
+    }
+    return StepTemporaries(positions, sum(buffers.values()))
+
+
+def dense_weight_bytes(model: nn.Module, sparse: Mapping[str, tuple[Sequence[int], int]] | None = None) -> int:
+    """The dense weight (or its gradient: one at a time) the largest compact sparse layer of ``model``
+    builds while it computes, with the index scratch that builds it (bytes; ``sparse`` as
+    ``step_temporaries`` takes it). A pass over the compact model holds it among its own tensors;
+    ``lowmem.plan``, which accounts activations on the dense model, adds it."""
+    dense = 0
+    for name, param in model.named_parameters():
+        if name in (sparse or {}):
+            shape, nonzeros = sparse[name]
             scratch = min(nonzeros, COMPACT_DENSIFY_CHUNK) * COMPACT_INDEX_SCRATCH_BYTES
             dense = max(dense, math.prod(shape) * param.element_size() + scratch)
-        if param.requires_grad and microbatches > 1:
-            accumulation = max(accumulation, 2 * nonzeros * param.element_size())
-    return StepTemporaries(positions, dense, accumulation)
+    return dense

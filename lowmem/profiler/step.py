@@ -47,9 +47,11 @@ ROW_FIELDS = {
     "graphs' private pool for the run (0: nothing replays).",
     "total_with_graph_pool_bytes": "Model + optimizer + graph pool + the eagerly run microbatches' activations on top "
     "of it (equal to `total_bytes` when nothing replays).",
-    "step_temporary_bytes": "What a real step holds beyond the accounting: compact sparse positions as stored, a "
-    "compact layer's dense weight, gradient accumulation over microbatches, the largest forward op's outputs.",
-    "step_temporaries": "`step_temporary_bytes` by cause.",
+    "step_temporary_bytes": "What a real step holds beyond the accounting: compact sparse positions as stored, the "
+    "model's buffers, the data on the device, and what the step's own tensors hold beyond the activations "
+    "(`pass_temporaries`: every temporary of forward and backward at its moment, saved tensors at their real size, "
+    "weight gradients until they are added to the previous microbatches' sum, a recomputed block's first check).",
+    "step_temporaries": "`step_temporary_bytes` by cause: `positions`, `buffers`, `data`, `pass_temporaries`.",
     "budget_total_bytes": "`total_with_graph_pool_bytes` + `step_temporary_bytes`: the figure `lowmem.plan` and "
     "`checkpointing.budget_mb` compare with a budget.",
     "gathered_bytes": "`trainer.parallel=fsdp`: the weights FSDP2 gathers whole at once at most (the root's, held "
