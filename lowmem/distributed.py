@@ -7,6 +7,8 @@ the *global* minibatch: each rank trains on its 1/WORLD_SIZE share.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,12 +35,63 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def restart_count() -> int:
+    """How many times torchrun restarted this job's workers (``--max-restarts``): 0 at first."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def agent_store() -> dist.Store | None:
+    """The key-value store torchrun's agent serves for the whole job, every restart of it (at
+    ``MASTER_ADDR:MASTER_PORT``); None when the workers are not launched with one."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    # (Waits in it as long as torch's env:// does, 30 minutes: rank 0 may read a large checkpoint before joining.)
+    return dist.TCPStore(address, port, is_master=False, timeout=timedelta(minutes=30))
+
+
 def init_from_environment(device: torch.device) -> None:
     """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU)."""
     if not launched_by_torchrun() or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend)
+    store = agent_store()
+    if store is None:
+        dist.init_process_group(backend=backend)
+        return
+    # The agent's store outlives a restart (--max-restarts), and torch's env:// joins it without a
+    # prefix per restart: the restarted ranks would read the addresses the killed ones published and
+    # hang, or fail with "connectFullMesh failed ... Connection refused". Each restart gets its own keys.
+    # (On several nodes every node's torchrun must count the same restarts, as after a rank's failure;
+    # one that restarts its ranks only to let another node join counts none.)
+    store = dist.PrefixStore(f"lowmem/restart_{restart_count()}", store)
+    dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]), world_size=launched_ranks())
+
+
+RUN_DIRECTORY_KEY = "lowmem/run_dir"
+
+
+def record_run_directory(run_dir: Path) -> None:
+    """Rank 0 writes ``run_dir`` into torchrun's job-wide store: a restarted rank 0 continues
+    there (``first_run_directory``) rather than in a directory named by its own start time."""
+    store = agent_store() if int(os.environ.get("RANK", "0")) == 0 else None
+    if store is not None:
+        store.set(RUN_DIRECTORY_KEY, str(Path(run_dir).absolute()))
+
+
+def first_run_directory() -> str | None:
+    """After a restart by torchrun: the directory the job's rank 0 ran in before, or None when it
+    did not get that far. Raises ``ConfigError`` when torchrun keeps no job-wide store."""
+    store = agent_store()
+    if store is None:
+        raise ConfigError(
+            f"torchrun restarted this job (restart {restart_count()}) without a store kept across restarts "
+            "(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or a rendezvous backend other than c10d): the directory its "
+            "first start ran in is unknown; give torchrun's command a hydra.run.dir=... to continue there"
+        )
+    if not store.check([RUN_DIRECTORY_KEY]):
+        return None
+    return store.get(RUN_DIRECTORY_KEY).decode()
 
 
 def local_device(device: torch.device) -> torch.device:

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowmem import distributed
 from lowmem.profiler.peak import PeakMeasurement
 from lowmem.profiler.report import MemoryReport
 from lowmem.profiler.state import COMPACT_COLUMN_BYTES, _state_entry_bytes, csr_index_bytes
@@ -223,14 +224,130 @@ def shards_directory(run_dir: Path, step: int) -> Path:
     return run_dir / f"{SHARDS_PREFIX}{step:09d}"
 
 
+class DamagedShards(RuntimeError):
+    """A sharded checkpoint's directory that cannot be loaded (a file missing, truncated or another
+    run's); the message names the directory and, when known, the file. Raised on every rank."""
+
+
 def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Write the model's and the optimizer's state to the directory ``path`` with
     ``torch.distributed.checkpoint``: each rank writes its own rows of every sharded tensor (nothing
     is gathered), tensors every rank holds alike once. A collective: call it on every rank. A
-    checkpoint written by N ranks loads on any number (``load_shards``)."""
+    checkpoint written by N ranks loads on any number (``load_shards``).
+
+    A write that fails on any rank (the disk full, a file size limit) raises on every rank an
+    OSError naming the file, ``path`` removed if this call created it (the directory a previous
+    checkpoint names is another: a checkpoint's step names it)."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
+
+    created = not distributed.rank0s(path.exists())  # rank 0's look, before any rank creates it
+    state = {"model": _model_state(model), "optimizer": _optimizer_state(optimizer)}
+    try:
+        dcp.save(state, storage_writer=_writer(path))
+    except CheckpointException as error:  # raised on every rank, each rank's failure in it
+        if created and dist.get_rank() == 0:  # every rank is past its writes: dcp gathered them
+            shutil.rmtree(path, ignore_errors=True)
+        failures = [error.failures[rank][0] for rank in sorted(error.failures)]
+        written = next((f for f in failures if isinstance(f, OSError) and f.errno is not None), None)
+        if written is not None:
+            raise OSError(written.errno, written.strerror, written.filename or str(path)) from error
+        raise RuntimeError(f"{path} could not be written: {_first_line(failures[0])}") from error
+
+
+def _writer(path: Path) -> Any:
+    """dcp's file system writer for ``path``, whose failed writes raise an OSError naming the file:
+    torch.save reports the disk's error (EFBIG, ENOSPC) as a RuntimeError raised while handling it,
+    and dcp hands each rank's exception to the others pickled, which drops that chain."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class FilesNamedOnFailure(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: str | Path, mode: str) -> Any:
+            try:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+            except Exception as error:
+                cause: BaseException | None = error
+                while cause is not None and not (isinstance(cause, OSError) and cause.errno is not None):
+                    cause = cause.__cause__ or cause.__context__
+                if cause is None:
+                    raise
+                raise OSError(cause.errno, cause.strerror, str(path)) from error
+
+    writer = dcp.FileSystemWriter(str(path))
+    writer.fs = FilesNamedOnFailure()
+    return writer
+
+
+def check_shards(path: Path) -> Any:
+    """The metadata of the sharded checkpoint ``path`` once its files are checked against it, before
+    anything is loaded; raises ``DamagedShards`` naming the file when the directory or its
+    ``.metadata`` is missing or unreadable, a file it lists is missing, or a file's size is not the
+    one it records (truncated, or another checkpoint's file)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"model": _model_state(model), "optimizer": _optimizer_state(optimizer)}, checkpoint_id=str(path))
+    damaged = f"the sharded checkpoint {path} cannot be loaded"
+    if not path.is_dir():
+        raise DamagedShards(f"{damaged}: the directory is missing")
+    listing = path / ".metadata"
+    if not listing.is_file():  # torch.distributed.checkpoint writes it last, once every file is written
+        raise DamagedShards(f"{damaged}: {listing} is missing (the writing did not finish, or it was removed)")
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        ends: dict[str, int] = {}
+        for stored in metadata.storage_data.values():
+            ends[stored.relative_path] = max(ends.get(stored.relative_path, 0), stored.offset + stored.length)
+    except Exception as error:
+        reason = f"{_first_line(error)}: truncated or corrupt"
+        raise DamagedShards(f"{damaged}: {listing} cannot be read ({reason})") from error
+    for name, end in sorted(ends.items()):
+        file = path / name
+        if not file.is_file():
+            raise DamagedShards(f"{damaged}: {file} is missing (the .metadata lists {len(ends)} files)")
+        size = file.stat().st_size
+        if size != end:
+            what = "truncated" if size < end else "not the file this checkpoint wrote"
+            raise DamagedShards(f"{damaged}: {file} holds {size} bytes, the .metadata records {end}: {what}")
+    return metadata
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
+
+
+def _checked_on_every_rank(path: Path) -> Any:
+    """``check_shards(path)`` on every rank, which all raise the first rank's ``DamagedShards`` if
+    any rank's check failed (a rank that went on alone would wait for the others forever)."""
+    metadata, problem = None, None
+    try:
+        metadata = check_shards(path)
+    except DamagedShards as error:
+        problem = str(error)
+    found = next((p for p in distributed.gather_objects(problem) if p is not None), None)
+    if found is not None:
+        raise DamagedShards(found)
+    return metadata
+
+
+def _load(state: dict[str, Any], path: Path) -> None:
+    """``dcp.load``, its failure (raised on every rank: a tensor of another shape or key, a file that
+    does not read) as ``DamagedShards`` naming ``path`` and the first rank's error."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
+
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as error:
+        first = error.failures[min(error.failures)][0]
+        raise DamagedShards(
+            f"the sharded checkpoint {path} does not load into this run ({_first_line(first)}): "
+            "another run's, or damaged"
+        ) from error
 
 
 def load_shards(
@@ -242,20 +359,18 @@ def load_shards(
     reads that of the saved pieces its rows overlap, and ``optimizer.reshard_state`` takes it over
     exactly (codes and scales as saved). ``compact``: the model's compact weights, whose positions a
     checkpoint of before they were sharded holds per layer, whole."""
-    import torch.distributed.checkpoint as dcp
-
     state = {"model": _model_state(model), "optimizer": _optimizer_state(optimizer)}
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = _checked_on_every_rank(path)
     overlapping = _saved_pieces(state["optimizer"]["state"], params, metadata)
     columns = None
     if f"model.{SHARED_COLUMNS}" not in metadata.state_dict_metadata and SHARED_COLUMNS in state["model"]:
         columns = state["model"].pop(SHARED_COLUMNS)
-    dcp.load(state, checkpoint_id=str(path))
+    _load(state, path)
     if columns is not None and compact is not None:  # each layer's columns, whole (git 6a8c9e4 and before)
         sizes = {name: metadata.state_dict_metadata[f"model.{name}_columns"].size for name in compact.names}
         layers = {"model": {f"{name}_columns": torch.empty(size, dtype=torch.int16) for name, size in sizes.items()}}
-        dcp.load(layers, checkpoint_id=str(path))
+        _load(layers, path)
         whole = compact.join_columns({name: layers["model"][f"{name}_columns"] for name in compact.names})
         write_full(columns, whole.to(local(columns).device))
     for index, (start, pieces) in overlapping.items():

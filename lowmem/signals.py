@@ -5,6 +5,11 @@ checkpoint at that step and raises ``Interrupted``; the command line then prints
 checkpoint is and how to resume, and exits with 128 + the signal's number (130 / 143). A second
 signal exits at once: every file of a run is written atomically, so nothing is left half-written.
 Under data parallelism the ranks agree after every step, so all stop at the same one.
+
+Python runs a signal's handler in the main thread, between two bytecodes. A rank waiting in a
+collective for a rank that died or hangs runs none until the collective times out (30 minutes):
+under torchrun (which sends SIGTERM to the other ranks when one fails, and SIGKILL 30 s later) a
+rank whose main thread has not run the handler ``BLOCKED_SECONDS`` after a signal exits at once.
 """
 
 from __future__ import annotations
@@ -12,14 +17,20 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import BinaryIO
 
 import torch
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Seconds a rank's main thread may go without running a signal's handler before it exits: longer
+# than any single call a step makes, short of torchrun's 30 s between SIGTERM and SIGKILL.
+BLOCKED_SECONDS = 5.0
+_handled_at = 0.0  # time.monotonic() when the main thread last ran a handler of this module
 
 
 class Interrupted(Exception):
@@ -50,22 +61,71 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+def _handling() -> None:
+    global _handled_at
+    _handled_at = time.monotonic()
+
+
+def _exit_when_blocked(pipe: BinaryIO) -> None:
+    """Read the numbers of the signals as they arrive, whatever the main thread is doing (Python
+    writes them to its wakeup file descriptor, ``pipe``'s other end); exit when the main thread
+    runs no handler for one within ``BLOCKED_SECONDS``."""
+    attributed = read_at = time.monotonic()
+    with pipe:
+        while numbers := pipe.read(64):
+            # A handler run before the previous read, or already matched with a signal before, is not this one's.
+            after = max(attributed, read_at)
+            read_at = time.monotonic()
+            received = [number for number in numbers if number in SIGNALS]
+            if not received:
+                continue
+            while _handled_at <= after and time.monotonic() < read_at + BLOCKED_SECONDS:
+                time.sleep(0.02)
+            if _handled_at <= after:
+                name = signal.Signals(received[-1]).name
+                os.write(2, f"\n{name}: this rank is blocked (waiting for a rank that died or hangs?): exiting now; "
+                         "the last checkpoint written is kept\n".encode())  # fmt: skip
+                os._exit(128 + received[-1])
+            attributed = _handled_at
+
+
+@contextmanager
+def _exit_if_blocked_under_torchrun() -> Iterator[None]:
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        yield
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    pipe = os.fdopen(read, "rb", buffering=0)
+    threading.Thread(target=_exit_when_blocked, args=(pipe,), name="lowmem-exit-when-blocked", daemon=True).start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(write)  # the thread reads the pipe's end and ends
+
+
 @contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
     """Outside the training loop SIGTERM interrupts like Ctrl-C does (``Stopped``), so that the
-    command line can clean up and say so instead of dying silently."""
+    command line can clean up and say so instead of dying silently. Under torchrun a rank blocked
+    when a signal arrives exits (see the module)."""
     if not _in_main_thread():
         yield
         return
 
     def stop(signum: int, frame: FrameType | None) -> None:
+        _handling()
         raise Stopped(signum)
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = {signum: signal.signal(signum, stop) for signum in SIGNALS}
     try:
-        yield
+        with _exit_if_blocked_under_torchrun():
+            yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 class StopOnSignal:
@@ -95,6 +155,7 @@ class StopOnSignal:
         self.restore()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        _handling()
         name = signal.Signals(signum).name
         if self.received is not None:
             # Files are replaced atomically: exiting here leaves the last checkpoint as it was.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lowmem import distributed
@@ -21,6 +22,7 @@ from lowmem.config import ConfigError, register_configs
 from lowmem.run import records
 from lowmem.run.command import one_line_errors, refuse_unknown_knobs
 from lowmem.run.files import CHECKPOINT, METRICS, RESULT, read_checkpoint, set_aside_metrics
+from lowmem.run.refusals import exit_refused
 
 log = logging.getLogger("lowmem")
 register_configs()
@@ -123,7 +125,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if HydraConfig.get().mode == RunMode.RUN:
+        distributed.record_run_directory(run_dir)
+    run(cfg, run_dir)
 
 
 def quiet_hydra_on_other_ranks() -> None:
@@ -139,7 +144,26 @@ def quiet_hydra_on_other_ranks() -> None:
         ]
 
 
+def continue_in_first_run_directory() -> None:
+    """Under ``torchrun --max-restarts``: a restarted rank 0 runs in the directory the job ran in
+    before (the default one is named by the start time), where it continues from the last
+    checkpoint as the same command run again by hand does."""
+    if distributed.restart_count() == 0 or int(os.environ.get("RANK", "0")) != 0:
+        return
+    if any(a in ("-m", "--multirun") or a.startswith("hydra.mode=") for a in sys.argv[1:]):
+        return  # (a sweep's hydra.sweep.dir is not carried across restarts: give one on the command line)
+    try:
+        first = distributed.first_run_directory()
+    except ConfigError as error:
+        if any(a.startswith("hydra.run.dir=") for a in sys.argv):
+            return
+        exit_refused(str(error))
+    if first is not None:
+        sys.argv = [a for a in sys.argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={first}"]
+
+
 if __name__ == "__main__":
     refuse_unknown_knobs()
+    continue_in_first_run_directory()
     quiet_hydra_on_other_ranks()
     sys.exit(main())

@@ -39,7 +39,9 @@ from lowmem.run.files import (
     METRICS,
     MODEL,
     RESULT,
+    WriteFailed,
     copy_file,
+    disk_error,
     provenance,
     read_checkpoint,
     save_bytes,
@@ -492,11 +494,19 @@ class Trainer:
 
     def _save_snapshot(self, run_dir: Path) -> None:
         """Keep the model after each of the last ``recipe.average_last`` evaluations (translation
-        averages them for its final score; ``_drop_old_snapshots`` removes the older ones)."""
-        if getattr(self.recipe, "average_last", 0) > 0 and (self.sharded or distributed.is_rank0()):
+        averages them for its final score; ``_drop_old_snapshots`` removes the older ones). Rank 0
+        writes it; a write the disk refuses stops every rank (``_save_checkpoint``)."""
+        if getattr(self.recipe, "average_last", 0) <= 0:
+            return
+        failure = None
+        if self.sharded or distributed.is_rank0():
             state = self.dense_state()
             if distributed.is_rank0():
-                save_torch(state, run_dir / SNAPSHOTS / f"step_{self.state.step:09d}.pt")
+                try:
+                    save_torch(state, run_dir / SNAPSHOTS / f"step_{self.state.step:09d}.pt")
+                except WriteFailed as error:
+                    failure = error
+        _refuse_together(failure)
 
     def _rebuilt(self, state: dict[str, torch.Tensor]) -> nn.Module:
         """The recipe's model, plain (no technique), in this run's precision, holding ``state``."""
@@ -526,7 +536,23 @@ class Trainer:
         Sharded (call it on every rank): each rank writes its rows of the model and optimizer state
         into ``checkpoint.shards.<step>/`` (``torch.distributed.checkpoint``), then rank 0 writes
         ``checkpoint.pt`` naming that directory, then drops the older ones: a run killed at any
-        moment leaves a checkpoint.pt whose shards are complete."""
+        moment leaves a checkpoint.pt whose shards are complete.
+
+        A file the disk refuses (full, a file size limit, read-only) raises ``WriteFailed`` naming it,
+        and a refusal on every other rank (rank 0 alone writes checkpoint.pt: the others would wait
+        for it forever); the previous checkpoint and its shards are left as they were."""
+        failure = None
+        try:
+            self._write_checkpoint(run_dir, metrics)
+        except WriteFailed as error:
+            failure = error
+        except OSError as error:  # a file of the shards' directory (save_shards names it)
+            if disk_error(error) is None:
+                raise
+            failure = WriteFailed(error.filename or run_dir, error)
+        _refuse_together(failure)
+
+    def _write_checkpoint(self, run_dir: Path, metrics: MetricsLog) -> None:
         if self.sharded:
             # Rank 0's run directory (under torchrun the other ranks' differ): every rank writes there.
             shards = Path(distributed.gather_objects(str(sharding.shards_directory(run_dir, self.state.step)))[0])
@@ -537,7 +563,12 @@ class Trainer:
         else:
             return
         if distributed.is_rank0():
-            save_torch({**state, "metrics_lines": metrics.lines}, run_dir / CHECKPOINT)
+            try:
+                save_torch({**state, "metrics_lines": metrics.lines}, run_dir / CHECKPOINT)
+            except WriteFailed:
+                if self.sharded:  # the new shards, which no checkpoint.pt names: room for the next try
+                    shutil.rmtree(shards, ignore_errors=True)
+                raise
             if self.sharded:
                 for old in run_dir.glob(sharding.SHARDS_PREFIX + "*"):
                     if old != shards:
@@ -1047,13 +1078,32 @@ def resume_from(trainer: Trainer, resume_dir: str, run_dir: Path) -> None:
     # model's and optimizer's tensors to their parameters' device), and generator states must stay
     # CPU byte tensors (torch.set_rng_state and Generator.set_state accept nothing else).
     checkpoint = read_checkpoint(path, f"trainer.resume={resume_dir}")
+    failure = None
     try:
         trainer.load_checkpoint(checkpoint, source)
-    except (KeyError, TypeError, RuntimeError) as error:
-        message = f"trainer.resume={resume_dir}: {path} does not fit this run or is damaged ({error})"
-        raise RunRefused(message) from error
-    if distributed.is_rank0():
-        carry_run_files(source, Path(run_dir), checkpoint)
+    except sharding.DamagedShards as error:  # names the shards' directory and file
+        failure = RunRefused(f"trainer.resume={resume_dir}: {error}")
+        failure.__cause__ = error
+    except (KeyError, IndexError, TypeError, RuntimeError) as error:
+        failure = RunRefused(f"trainer.resume={resume_dir}: {path} does not fit this run or is damaged ({error})")
+        failure.__cause__ = error
+    if failure is None and distributed.is_rank0():
+        try:
+            carry_run_files(source, Path(run_dir), checkpoint)
+        except WriteFailed as error:
+            failure = error
+    _refuse_together(failure)
+
+
+def _refuse_together(failure: RunRefused | None) -> None:
+    """Raise ``failure`` (this rank's, or None) on this rank, or on every rank the first rank's: ranks
+    that went on after another stopped would wait for it forever (a collective: call it on every rank)."""
+    messages = distributed.gather_objects(None if failure is None else str(failure))
+    if failure is not None:
+        raise failure
+    first = next((message for message in messages if message is not None), None)
+    if first is not None:
+        raise RunRefused(first)
 
 
 def carry_run_files(source: Path, run_dir: Path, checkpoint: dict[str, Any]) -> None:

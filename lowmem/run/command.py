@@ -29,7 +29,7 @@ from lowmem import distributed
 from lowmem.config import ConfigError
 from lowmem.knobs import check_overrides
 from lowmem.run import lock, records
-from lowmem.run.files import CHECKPOINT
+from lowmem.run.files import CHECKPOINT, WriteFailed, kept_checkpoint
 from lowmem.run.refusals import exit_refused, full_errors, is_refusal
 from lowmem.signals import Interrupted, terminate_as_interrupt
 from lowmem.techniques.precision import TrainingDiverged
@@ -82,17 +82,38 @@ def discard_refused_run(run_dir: Path, message: str) -> None:
     record_in_log(message)
 
 
+def _as_typed(path: str, name: str) -> str:
+    """``name`` when the shell finds ``path`` by that name, else ``path``. (Symbolic links are not
+    followed: a virtual environment's python is a link to one the shell may find without it.)"""
+    found = shutil.which(name)
+    return name if found is not None and os.path.abspath(found) == os.path.abspath(path) else path
+
+
+def _launcher() -> list[str]:
+    """How this process was started: python, or torchrun with its ranks per node, nodes and restarts."""
+    python = _as_typed(sys.executable, "python")
+    if "LOCAL_WORLD_SIZE" not in os.environ:  # (set by torchrun alone)
+        return [python]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    words = [_as_typed(torchrun, "torchrun")] if os.path.isfile(torchrun) else [python, "-m", "torch.distributed.run"]
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if nodes == 1:
+        words.append("--standalone")
+    else:  # the same command on each node, with the job's rendezvous endpoint (the ranks do not know it)
+        words += [f"--nnodes={nodes}", "--rdzv-backend=c10d", "--rdzv-endpoint=HOST:PORT"]
+    words.append(f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}")
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    return words + ([f"--max-restarts={restarts}"] if restarts > 0 else [])
+
+
 def resume_command(run_dir: Path, module: str = "lowmem.train") -> str:
-    """The command that continues the run in ``run_dir``: this one's overrides, resuming there."""
+    """The command that continues the run in ``run_dir``: this one's launcher (python, or torchrun
+    with as many ranks) and overrides, resuming there."""
     from hydra.core.hydra_config import HydraConfig
 
     replaced = ("trainer.resume=", "hydra.run.dir=")
     overrides = [o for o in HydraConfig.get().overrides.task if not o.lstrip("+~").startswith(replaced)]
-    python = sys.executable
-    plain = shutil.which("python")
-    if plain is not None and os.path.realpath(plain) == os.path.realpath(python):
-        python = "python"
-    words = [python, "-m", module, *overrides, f"trainer.resume={run_dir}", f"hydra.run.dir={run_dir}"]
+    words = [*_launcher(), "-m", module, *overrides, f"trainer.resume={run_dir}", f"hydra.run.dir={run_dir}"]
     return " ".join(shlex.quote(word) for word in words)
 
 
@@ -133,11 +154,25 @@ def one_line_errors(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
         except Exception as error:
             if not is_refusal(error):
                 raise
-            discard_refused_run(run_dir, str(error))
+            message = str(error)
+            if isinstance(error, WriteFailed):
+                # The disk may be full: a log line that cannot be written is dropped, not printed
+                # with a traceback. What the run leaves is its last checkpoint (writes are atomic).
+                logging.raiseExceptions = False
+                kept = kept_checkpoint(run_dir)
+                message += (
+                    f"; {kept}, is intact: resume with: {resume_command(run_dir)}"
+                    if kept is not None
+                    else f"; no checkpoint was written in {run_dir} yet"
+                )
+            try:
+                discard_refused_run(run_dir, message)
+            except WriteFailed:
+                pass  # its .hydra record cannot be put back either: the line below says why
             # A sweep keeps Hydra's behaviour: the other jobs of the batch still run.
             if full_errors() or HydraConfig.get().mode == RunMode.MULTIRUN:
                 raise
-            exit_refused(str(error))
+            exit_refused(message)  # rank 0 alone prints it under torchrun
         except KeyboardInterrupt as stop:
             # Ctrl-C (or SIGTERM) before training (building data, the model): nothing to resume.
             signum = getattr(stop, "signum", signal.SIGINT)

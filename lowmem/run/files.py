@@ -2,11 +2,14 @@
 
 Every write goes to a temporary file in the same directory and is renamed into place
 (``os.replace`` is atomic on POSIX), so a crash leaves either the old file or the new one —
-never a half-written checkpoint or result.
+never a half-written checkpoint or result. A write the disk refuses (full, a file size limit, a
+quota, read-only, no permission) raises ``WriteFailed``: one line naming the file, the file as it
+was left in place.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -32,19 +35,57 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
+# What the disk or the file system refuses, which the user acts on (frees space, raises the limit,
+# makes the directory writable); other OSErrors are bugs or stranger faults and keep their traceback.
+DISK_ERRORS = {  # errno -> what to do about it
+    errno.ENOSPC: "free some space",
+    errno.EDQUOT: "free some space, or raise the quota",
+    errno.EFBIG: "raise the file size limit, ulimit -f",
+    errno.EROFS: "the file system is mounted read-only",
+    errno.EACCES: "make the directory writable",
+    errno.EPERM: "make the directory writable",
+}
+
+
+class WriteFailed(RunRefused):
+    """A run file the disk refused to write; ``path`` as it was is left in place (atomic writes)."""
+
+    def __init__(self, path: str | os.PathLike, error: OSError) -> None:
+        self.path = Path(path)
+        advice = DISK_ERRORS.get(error.errno)
+        super().__init__(f"cannot write {self.path}: {error.strerror}" + (f" ({advice})" if advice else ""))
+
+
+def disk_error(error: BaseException) -> OSError | None:
+    """The ``DISK_ERRORS`` OSError that caused ``error``, following its chain (torch.save reports a
+    failed write as a RuntimeError raised while handling the OSError), or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno in DISK_ERRORS:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give the usual permissions
         with os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as error:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        cause = disk_error(error)
+        if cause is not None:
+            raise WriteFailed(path, cause) from error
         raise
 
 
@@ -73,10 +114,15 @@ def save_json(obj: Any, path: str | os.PathLike) -> None:
 def append_jsonl(record: dict, path: str | os.PathLike) -> None:
     """Append one JSON line. A line is written with one ``write`` call and flushed to disk."""
     line = json.dumps(record, sort_keys=True, default=str) + "\n"
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(line)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        if error.errno in DISK_ERRORS:
+            raise WriteFailed(path, error) from error
+        raise
 
 
 def set_aside_metrics(run_dir: str | os.PathLike) -> Path | None:
@@ -112,6 +158,22 @@ def read_checkpoint(path: str | os.PathLike, refusal: str) -> dict[str, Any]:
     if not isinstance(checkpoint, dict) or not {"model", "trainer", "config"} <= set(checkpoint):
         raise RunRefused(f"{refusal}: {path} is not a lowmem checkpoint (no model, trainer and config entries)")
     return checkpoint
+
+
+def kept_checkpoint(run_dir: str | os.PathLike) -> str | None:
+    """"the checkpoint of step N, <run_dir>/checkpoint.pt" when it can be read and the shards
+    directory it names (a sharded checkpoint's) is complete, else None: what a run that could not
+    write a file leaves to resume."""
+    path = Path(run_dir) / CHECKPOINT
+    try:  # mmap: a whole checkpoint's tensors are not read
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        step = int(checkpoint["trainer"]["step"])
+        shards = checkpoint.get("shards")
+    except Exception:
+        return None
+    if shards and not (Path(run_dir) / shards / ".metadata").is_file():
+        return None
+    return f"the checkpoint of step {step}, {path}"
 
 
 def git_revision() -> str | None:

@@ -4,7 +4,8 @@ A refusal is a message for the user, who can act on it: ``ConfigError`` (a knob'
 work), ``RunRefused`` (the run directory or a file it needs cannot be used), ``UnaccountableStep``
 (neither a fake nor a real pass can account the step: it names the module and the knob) or a recipe's
 ``DataUnavailableError`` (its data set is missing). ``HYDRA_FULL_ERROR=1`` shows the full
-traceback as for any other error; genuine bugs always get theirs.
+traceback as for any other error; genuine bugs always get theirs. Under torchrun, rank 0 alone
+prints the line; every rank exits with status 1.
 """
 
 from __future__ import annotations
@@ -38,8 +39,12 @@ def full_errors() -> bool:
 
 
 def exit_refused(message: str) -> NoReturn:
-    """Print ``message`` as one line on stderr and exit with status 1 (no traceback)."""
-    sys.stdout.flush()
-    sys.stderr.write(f"error: {' '.join(message.split())}\n")
-    sys.stderr.flush()
+    """Print ``message`` as one line on stderr and exit with status 1 (no traceback). Under torchrun,
+    rank 0 alone prints it and every rank exits with status 1: the ranks refuse together (a rank's
+    refusal that others may not share is made theirs first: ``lowmem.trainer``'s checkpoints), and
+    the user reads the line once, not once per rank."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        sys.stdout.flush()
+        sys.stderr.write(f"error: {' '.join(message.split())}\n")
+        sys.stderr.flush()
     raise SystemExit(EXIT_REFUSED)
