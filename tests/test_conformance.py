@@ -17,6 +17,7 @@ conformance table is this suite's output (``scripts/conformance_table.py``).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,16 +79,17 @@ def _fp64(batch: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, batch)
 
 
-def _prepare(model: ConformanceModel, overrides: list[str]) -> lowmem.Run:
-    """``lowmem.prepare``; ``optimal`` at the smallest reachable activation budget, so that the
-    dynamic program's schedule recomputes."""
+def _prepare(model: ConformanceModel, overrides: list[str], batch: Callable[[], Any] | None = None) -> lowmem.Run:
+    """``lowmem.prepare`` on ``batch()`` (default ``model.batch()``); ``optimal`` at the smallest
+    reachable activation budget, so that the dynamic program's schedule recomputes."""
+    batch = batch or model.batch
     if "checkpointing.strategy=optimal" not in overrides:
-        return lowmem.prepare(model.build(), model.loss, model.batch(), overrides=overrides)
+        return lowmem.prepare(model.build(), model.loss, batch(), overrides=overrides)
     try:
-        lowmem.prepare(model.build(), model.loss, model.batch(), overrides=[*overrides, "checkpointing.budget_mb=1e-6"])
+        lowmem.prepare(model.build(), model.loss, batch(), overrides=[*overrides, "checkpointing.budget_mb=1e-6"])
     except BudgetTooSmall as error:
         budget = error.smallest_bytes / 1e6 + 1e-6
-    return lowmem.prepare(model.build(), model.loss, model.batch(),
+    return lowmem.prepare(model.build(), model.loss, batch(),
                           overrides=[*overrides, f"checkpointing.budget_mb={budget:.6f}"])
 
 
@@ -148,8 +150,9 @@ def check_equal(model: ConformanceModel, case: Case) -> str:
 def check_trains(model: ConformanceModel, case: Case, updates: int = 4) -> str:
     """``updates`` applied Adam steps on one batch lower the loss. FP16's first steps may overflow at
     the initial loss scale: those are skipped (the scaler's job) and not counted, up to 20 more."""
-    run = _prepare(model, [*ADAM, *case.overrides])
-    batch = model.batch()
+    batch_of = model.trains_batch or model.batch
+    run = _prepare(model, [*ADAM, *case.overrides], batch_of)
+    batch = batch_of()
     losses, skipped = [], 0
     while len(losses) <= updates and skipped < 20:
         record = run.step(batch)

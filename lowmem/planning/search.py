@@ -666,15 +666,10 @@ class Planner:
         return fitting
 
     def _fitting_chunked(
-        self,
-        density: float,
-        precision: str,
-        bits: int | None,
-        microbatch: int | None,
-        compress: int | None,
-        sync: str | None,
-        chunk: str | None,
-    ) -> list[Candidate]:
+        self, density: float, precision: str, bits: int | None, microbatch: int | None, compress: int | None,
+        sync: str | None, chunk: str | None,
+    ) -> list[Candidate]:  # fmt: skip
+        """``_fitting_with``'s configurations with the loss chunked as ``chunk`` says."""
         state = self.state_bytes(density, precision, bits)
         room = self._room(density, precision, bits, microbatch, sync)
         temporary = self.temporary_bytes(density, precision, microbatch, sync)
