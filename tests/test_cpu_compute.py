@@ -31,7 +31,7 @@ from lowmem.config import ConfigError
 from lowmem.libraries import configure_libraries
 from lowmem.profiler import track_peak
 from lowmem.techniques import cpu_compute
-from lowmem.techniques.cpu_compute import KINDS, NATIVE_MUST_WIN, Fp32Arithmetic, choices, decide
+from lowmem.techniques.cpu_compute import CLOSE_CALL, KINDS, NATIVE_MUST_WIN, Fp32Arithmetic, choices, decide
 from lowmem.techniques.precision import make_policy
 from lowmem.trainer import build_trainer
 from tests.helpers import SMALL_DC, TINY_WRN, make_config
@@ -245,15 +245,22 @@ def _fake_seconds(native: dict[str, float]):
     return seconds, limits
 
 
-def test_auto_keeps_native_only_where_it_clearly_wins():
+@pytest.mark.parametrize("features", ["fp32", "native"])
+def test_auto_keeps_native_only_where_it_clearly_wins(monkeypatch, features):
+    monkeypatch.setattr(cpu_compute, "feature_choices", lambda dtype: dict.fromkeys(KINDS, features))
     seconds, limits = _fake_seconds({"convolution": 40.0, "convolution_backward": 0.5, "matmul": 0.8})
     assert decide(torch.bfloat16, seconds) == {
         "convolution": "fp32",  # a reference kernel, 40x slower
         "convolution_backward": "native",  # twice as fast (AMX-like)
-        "matmul": "fp32",  # 20% faster on the probe: within what varies per shape and run
+        "matmul": features,  # 1.25x faster on the probe: a close call, as the CPU's flags say
     }
-    # Native runs may stop timing as soon as they miss the bar.
-    assert limits == dict.fromkeys(KINDS, pytest.approx(1.0 / NATIVE_MUST_WIN))
+    # Native runs may stop timing as soon as they are clearly slower than the bar.
+    assert limits == dict.fromkeys(KINDS, pytest.approx(CLOSE_CALL / NATIVE_MUST_WIN))
+    # Just outside the close calls either way: timed, whatever the flags say.
+    seconds, _ = _fake_seconds(dict.fromkeys(KINDS, 0.99 / (NATIVE_MUST_WIN * CLOSE_CALL)))
+    assert decide(torch.bfloat16, seconds) == dict.fromkeys(KINDS, "native")
+    seconds, _ = _fake_seconds(dict.fromkeys(KINDS, 1.01 * CLOSE_CALL / NATIVE_MUST_WIN))
+    assert decide(torch.bfloat16, seconds) == dict.fromkeys(KINDS, "fp32")
 
 
 def _scripted_clock(run_seconds: list[float]):
