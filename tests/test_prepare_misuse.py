@@ -108,16 +108,30 @@ def test_a_model_prepared_twice_is_refused_untouched():
     lowmem.prepare(copy_before, mean_loss, batch(), CPU).step(batch())  # the copy made before: fine
 
 
-def test_a_refused_prepare_leaves_the_model_preparable_unless_it_changed_it():
+def test_a_refused_prepare_leaves_the_model_preparable_unless_it_changed_it(monkeypatch):
     untouched = Net()
     with pytest.raises(ConfigError, match="microbatch.size=7"):  # refused before any change
         lowmem.prepare(untouched, mean_loss, batch(), [*CPU, "microbatch.size=7"])
     lowmem.prepare(untouched, mean_loss, batch(), CPU)
+    # A knob's refusal after changes (here: after the cast to bf16) is retried with the knob changed.
     plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-    with pytest.raises(ConfigError, match="no chain of blocks"):  # after the cast to bf16
+    with pytest.raises(ConfigError, match="no chain of blocks"):
         lowmem.prepare(plain, mean_loss, batch(), [*CPU, "precision=bf16", "checkpointing.strategy=residual"])
-    with pytest.raises(ValueError, match="model Sequential was left part-way modified by a lowmem.prepare that failed"):
+    with pytest.raises(ConfigError, match=r"precision=fp32 keeps the model's dtype.*torch.bfloat16"):
         lowmem.prepare(plain, mean_loss, batch(), CPU)
+    lowmem.prepare(plain, mean_loss, batch(), [*CPU, "precision=bf16"]).step(batch())
+    # Any other failure after changes leaves the model marked: prepared again, it would fail deep in torch.
+    def fail_after_changes(cfg, model, task, example_batch):
+        model.to(torch.float64)
+        raise RuntimeError("a failure after the model was changed")
+
+    monkeypatch.setattr("lowmem.api._build_trainer", fail_after_changes)
+    changed = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    with pytest.raises(RuntimeError, match="after the model was changed"):
+        lowmem.prepare(changed, mean_loss, batch(), CPU)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="model Sequential was left part-way modified by a lowmem.prepare that failed"):
+        lowmem.prepare(changed, mean_loss, batch(), CPU)
 
 
 def test_a_loss_that_does_not_require_grad_is_refused_before_any_update():

@@ -468,6 +468,8 @@ class ActivationTracer(TorchDispatchMode):
     def _accumulated(self, parameter: torch.Tensor) -> None:
         """A weight gradient reached ``parameter.grad``: with an earlier microbatch's there, it would
         have been added into it and freed now."""
+        if parameter.grad is None:  # (a hook of the model's took it: nothing is held)
+            return
         number = self._number_of(parameter.grad)
         if number is not None and self._closed is None:
             self._events.append((number, 0, None))
