@@ -63,6 +63,7 @@ from lowmem.techniques.microbatch import apply_simulated_microbatching, no_sync_
 from lowmem.techniques.offload import apply_offload, link_flops_per_byte, offload_of
 from lowmem.techniques.optimizers import LowPrecisionAdam, LowPrecisionSGD
 from lowmem.techniques.precision import (
+    NONFINITE_AT_END,
     NONFINITE_LIMIT,
     PrecisionPolicy,
     TrainingDiverged,
@@ -163,6 +164,7 @@ class Trainer:
         self.cpu_compute = distributed.rank0s(cpu_compute_choices(policy.cpu_compute, policy.sixteen_bit, device))
         self.state = TrainState()
         self.nonfinite_in_row, self.nonfinite_warned = 0, False  # trainer.stop_on_nonfinite
+        self.nonfinite_loss = math.nan  # the last skipped step's loss
         # The normalization layers' running statistics, and a copy made before each step: a skipped
         # step (non-finite) must not leave its forward's statistics behind either.
         self.running_buffers = [
@@ -356,6 +358,7 @@ class Trainer:
             self.nonfinite_in_row = 0  # FP16 overflowing with an amplified loss: the scaler's business
             return
         self.nonfinite_in_row += 1
+        self.nonfinite_loss = loss
         if not self.config.trainer.stop_on_nonfinite:
             return
         if not self.nonfinite_warned and distributed.is_rank0():
@@ -371,9 +374,10 @@ class Trainer:
         if limit is not None and self.nonfinite_in_row >= limit:
             raise self._diverged(loss, f"{self.nonfinite_in_row} steps in a row with a non-finite loss or gradients")
 
-    def _diverged(self, loss: float, what: str) -> TrainingDiverged:
+    def _diverged(self, loss: float, what: str, at: str | None = None) -> TrainingDiverged:
         return TrainingDiverged(
-            f"training diverged at step {self.state.step + 1}: {what} (loss {loss:.4g}); nothing of it was applied. "
+            f"training diverged at {at or f'step {self.state.step + 1}'}: {what} (loss {loss:.4g}); nothing of it "
+            "was applied. "
             f"Look at optim.lr (now {self.base_lr:g}) and precision ({self.policy.name}); "
             "trainer.stop_on_nonfinite=false trains on regardless"
         )
@@ -458,6 +462,14 @@ class Trainer:
             signum = stop.requested(self.device)
             if signum is not None:
                 raise Interrupted(signum, state.step, run_dir / CHECKPOINT)
+            if cfg.trainer.stop_on_nonfinite and self.nonfinite_in_row >= NONFINITE_AT_END:
+                # The end reached in a streak of skipped steps: not "done" (the checkpoints hold the
+                # last good weights; a run resumed from one with other knobs trains on).
+                raise self._diverged(
+                    self.nonfinite_loss,
+                    f"its last {self.nonfinite_in_row} steps had a non-finite loss or gradients",
+                    at=f"the end of the run (step {state.step})",
+                )
             # The peak is read before the final scoring below (averaged snapshots on a dense copy).
             result = self.result(peak.peak_bytes)
             result["peak_scope"] = peak.scope

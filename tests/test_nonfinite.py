@@ -39,6 +39,18 @@ def test_a_diverging_fp32_run_stops_with_one_line_and_keeps_its_checkpoint(tmp_p
     assert (resumed / "result.json").is_file()
 
 
+def test_a_run_that_ends_in_non_finite_steps_is_not_done(tmp_path):
+    """Fewer steps left than NONFINITE_LIMIT (the break-it check's: 2 minibatches an epoch, 4 epochs):
+    reaching the end in a streak of skipped steps stops it as diverged, not "done"."""
+    run_dir = tmp_path / "run"
+    done = cli(*TINY_WRN, "trainer.device=cpu", "optim.lr=1e6", "trainer.epochs=4", "data.train_size=200",
+               "data.batch_size=100", "precision=fp32", f"hydra.run.dir={run_dir}")  # fmt: skip
+    assert done.returncode == 3, done.stderr[-2000:]
+    line = [line for line in done.stderr.splitlines() if line.strip()][-1]
+    assert line.startswith("training diverged at the end of the run (step 8): its last ") and "optim.lr" in line
+    assert not (run_dir / "result.json").exists()
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_a_diverging_16_bit_run_stops_before_writing_a_non_finite_state(precision, tmp_path):
     """BF16 skips non-finite steps as FP32 does; FP16's scaler halves its scale on each overflow, and

@@ -296,6 +296,9 @@ def has_nonfinite_grad(params: Iterable[torch.Tensor]) -> bool:
 
 
 NONFINITE_LIMIT = 10  # non-finite steps in a row after which a run stops (trainer.stop_on_nonfinite)
+# A run that reaches its end in this many non-finite steps in a row or more has diverged too, though
+# it had fewer than NONFINITE_LIMIT left (its weights are the last good ones: nothing of them applied).
+NONFINITE_AT_END = 2
 
 
 class TrainingDiverged(FloatingPointError):
