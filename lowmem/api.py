@@ -321,13 +321,14 @@ def check_model(model: nn.Module, precision: str) -> None:
             f"model {name} has no trainable parameters ({held}): lowmem.prepare trains a model's parameters; "
             "pass one with some that require grad"
         )
-    other = [(n, p.dtype) for n, p in params if p.is_floating_point() and p.dtype != torch.float32]
+    # Frozen parameters (a LoRA model's 16-bit base) are not trained: their dtype is the model's own.
+    other = [(n, p.dtype) for n, p in params if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
     if precision in ("fp32", "amp") and other:
         first, dtype = other[0]
         cast = f", or train in its dtype with precision={_DTYPE_PRECISIONS[dtype]} (lowmem casts the model)"
         raise ConfigError(
             f"precision={precision} keeps the model's dtype and trains FP32 weights, but model {name} has "
-            f"{len(other)} {dtype} parameters (e.g. {first}): call model.float() before lowmem.prepare"
+            f"{len(other)} trainable {dtype} parameters (e.g. {first}): call model.float() before lowmem.prepare"
             f"{cast if dtype in _DTYPE_PRECISIONS else ''}"
         )
 

@@ -27,9 +27,11 @@ from typing import BinaryIO
 import torch
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# Seconds a rank's main thread may go without running a signal's handler before it exits: longer
-# than any single call a step makes, short of torchrun's 30 s between SIGTERM and SIGKILL.
-BLOCKED_SECONDS = 5.0
+# Seconds a rank's main thread may go without running a signal's handler before it exits: short of
+# torchrun's 30 s between SIGTERM and SIGKILL, and longer than the single calls a healthy rank makes
+# (a CUDA backward it waits for, rank 0 writing a large checkpoint while the others wait for it):
+# those still stop gracefully, writing the checkpoint of their step.
+BLOCKED_SECONDS = 20.0
 _handled_at = 0.0  # time.monotonic() when the main thread last ran a handler of this module
 
 
@@ -91,7 +93,8 @@ def _exit_when_blocked(pipe: BinaryIO) -> None:
 
 @contextmanager
 def _exit_if_blocked_under_torchrun() -> Iterator[None]:
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    # torchrun's ranks alone (it sets TORCHELASTIC_RUN_ID): another launcher's grace period is its own.
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "TORCHELASTIC_RUN_ID" not in os.environ:
         yield
         return
     read, write = os.pipe()

@@ -462,7 +462,9 @@ class Trainer:
             signum = stop.requested(self.device)
             if signum is not None:
                 raise Interrupted(signum, state.step, run_dir / CHECKPOINT)
-            if cfg.trainer.stop_on_nonfinite and self.nonfinite_in_row >= NONFINITE_AT_END:
+            # (amp's GradScaler overflows in a row as it calibrates, its loss finite: its business.)
+            scaled = self.policy.name == "amp" and self.scaler.enabled and math.isfinite(self.nonfinite_loss)
+            if cfg.trainer.stop_on_nonfinite and self.nonfinite_in_row >= NONFINITE_AT_END and not scaled:
                 # The end reached in a streak of skipped steps: not "done" (the checkpoints hold the
                 # last good weights; a run resumed from one with other knobs trains on).
                 raise self._diverged(
@@ -568,6 +570,9 @@ class Trainer:
         if self.sharded:
             # Rank 0's run directory (under torchrun the other ranks' differ): every rank writes there.
             shards = Path(distributed.gather_objects(str(sharding.shards_directory(run_dir, self.state.step)))[0])
+            # The same step's shards written again (a run resumed at an epoch's end saves its step
+            # again): the directory the checkpoint on disk names, never removed below.
+            existed = distributed.is_rank0() and shards.exists()
             sharding.save_shards(self.unwrapped_model, self.optimizer, shards)
             state = {**self.checkpoint_state(tensors=False), "shards": shards.name}
         elif distributed.is_rank0():
@@ -578,7 +583,7 @@ class Trainer:
             try:
                 save_torch({**state, "metrics_lines": metrics.lines}, run_dir / CHECKPOINT)
             except WriteFailed:
-                if self.sharded:  # the new shards, which no checkpoint.pt names: room for the next try
+                if self.sharded and not existed:  # the new shards, which no checkpoint.pt names: room for the next try
                     shutil.rmtree(shards, ignore_errors=True)
                 raise
             if self.sharded:

@@ -89,6 +89,18 @@ def test_a_model_not_in_fp32_under_fp32_or_amp_is_refused_untouched(dtype, preci
     assert not hasattr(model, "_lowmem_prepared")
 
 
+def test_frozen_16_bit_parameters_are_not_refused_under_fp32():
+    """A LoRA-style model: a frozen 16-bit base is not trained, so its dtype is not the precision's."""
+    from lowmem.api import check_model
+
+    model = Net()
+    model.inp.to(torch.bfloat16).requires_grad_(False)
+    check_model(model, "fp32")  # nothing raised
+    model.inp.requires_grad_(True)
+    with pytest.raises(ConfigError, match="2 trainable torch.bfloat16 parameters"):
+        check_model(model, "fp32")
+
+
 def test_precisions_that_cast_the_model_take_a_half_model():
     run = lowmem.prepare(Net().half(), mean_loss, batch(), [*CPU, "precision=bf16"])
     assert next(run.model.parameters()).dtype == torch.bfloat16

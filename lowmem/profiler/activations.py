@@ -344,6 +344,7 @@ class ActivationTracer(TorchDispatchMode):
         self._not_live: set[int] = set()  # allocation numbers left out: offloaded copies
         self._gradients: set[int] = set()  # allocation numbers of weight gradients (known at the end)
         self._closed: tuple[int, str, int, int, int] | None = None  # ``_live_peaks``, once the pass is over
+        self._finalizers: list[weakref.finalize] = []  # of the live record's storages, detached at the end
 
     # --- saved tensors --------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Handle:
@@ -453,7 +454,7 @@ class ActivationTracer(TorchDispatchMode):
         number = next(self._allocations)
         self._allocation_of[key] = number
         self._events.append((number, nbytes, self._location()))
-        weakref.finalize(storage, self._freed, key, number, nbytes)
+        self._finalizers.append(weakref.finalize(storage, self._freed, key, number, nbytes))
 
     def _freed(self, key: int, number: int, nbytes: int) -> None:
         if self._closed is not None:
@@ -514,6 +515,12 @@ class ActivationTracer(TorchDispatchMode):
         self._closed = self._live_peaks()
         self._events.clear()
         self._allocation_of.clear()
+        # The finalizers of storages still alive (weight gradients in ``.grad``, what the caller
+        # keeps) would hold this tracer, and through ``_state`` the model, for as long as they live.
+        for finalizer in self._finalizers:
+            finalizer.detach()
+        self._finalizers.clear()
+        self._state = []
 
     def _track_storage(self, tensor: torch.Tensor, category: str) -> int | None:
         """Count ``tensor``'s storage (once) in ``category`` until the storage dies; its key
