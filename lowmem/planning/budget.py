@@ -164,7 +164,7 @@ def plan_search(
         entry = Tried(planner.overrides(candidate), candidate.budget_total_bytes)
         tried.append(entry)
         try:
-            report, row = profiled.pop(candidate, None) or _profiled(planner, candidate, world_size, verify)
+            report, row = _profiled(planner, candidate, world_size, verify, profiled.pop(candidate, None))
         except Exception as refusal:  # noqa: BLE001 - lowmem.prepare / lowmem.train refuse it, however: never chosen
             entry.verdict = f"refused when built: {first_line(refusal)}"
             say(f"({' '.join(entry.overrides)}: {entry.verdict}: skipped)")
@@ -279,9 +279,13 @@ def _choose(
     return None, None
 
 
-def _profiled(planner: Planner, chosen: Candidate, world_size: int, verify: bool) -> tuple[MemoryReport, dict]:
-    """``chosen`` built as ``lowmem.train`` builds it and profiled (``verify``: one real step too)."""
-    report, row = profile_row(planner.build_chosen(chosen), verify)
+def _profiled(
+    planner: Planner, chosen: Candidate, world_size: int, verify: bool,
+    early: tuple[MemoryReport, dict] | None = None,
+) -> tuple[MemoryReport, dict]:  # fmt: skip
+    """``chosen`` built as ``lowmem.train`` builds it and profiled (``verify``: one real step too),
+    or its profile made ``early`` by a forked helper, taken as one of this process's."""
+    report, row = early or profile_row(planner.build_chosen(chosen), verify)
     if world_size > 1:
         report, row = _per_rank(planner, chosen, report, row)
     # With CUDA graph replay, what must fit is the total with the graphs' pool (the search's figures).
