@@ -62,10 +62,18 @@ def init_from_environment(device: torch.device) -> None:
     # The agent's store outlives a restart (--max-restarts), and torch's env:// joins it without a
     # prefix per restart: the restarted ranks would read the addresses the killed ones published and
     # hang, or fail with "connectFullMesh failed ... Connection refused". Each restart gets its own keys.
-    # (On several nodes every node's torchrun must count the same restarts, as after a rank's failure;
-    # one that restarts its ranks only to let another node join counts none.)
-    store = dist.PrefixStore(f"lowmem/restart_{restart_count()}", store)
+    store = dist.PrefixStore(f"lowmem/restart_{generation(store)}", store)
     dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]), world_size=launched_ranks())
+
+
+def generation(store: dist.Store) -> int:
+    """Which start of the job's workers this is (0 first), the same on every rank. One node: its
+    torchrun's restart count. Several: each node's torchrun counts only the restarts its own ranks
+    failed into (another node's restart re-forms this one's ranks without counting), so each rank
+    counts its own joins in the job's store instead: every rank joins once per start."""
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
+        return restart_count()
+    return int(store.add(f"lowmem/joins/rank_{os.environ['RANK']}", 1)) - 1
 
 
 RUN_DIRECTORY_KEY = "lowmem/run_dir"

@@ -196,3 +196,22 @@ def test_the_resume_line_launches_as_many_ranks_as_the_stopped_run(monkeypatch, 
     assert first in (("torchrun", torchrun) if environment else ("python", sys.executable))
     assert words == [*launcher, "+recipe=wrn_cifar", "trainer.parallel=fsdp", "trainer.resume=/runs/a",
                      "hydra.run.dir=/runs/a"]  # fmt: skip
+
+
+def test_each_start_of_a_multi_node_job_is_counted_alike_on_every_rank(monkeypatch):
+    """On several nodes torchrun's restart counts differ from node to node (a node re-forms its ranks
+    for another's restart without counting it): the generation is each rank's joins instead."""
+    import torch.distributed as dist
+
+    from lowmem.distributed import generation
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    for start in range(3):
+        for rank, restarts in ((0, start), (1, 0)):  # node 1's torchrun counted none of them
+            monkeypatch.setenv("RANK", str(rank))
+            monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restarts))
+            assert generation(store) == start
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")  # one node: its torchrun's count
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "4")
+    assert generation(store) == 4
