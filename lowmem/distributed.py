@@ -200,3 +200,10 @@ def gather_objects(value: Any) -> list[Any]:
     values: list[Any] = [None] * world_size()
     dist.all_gather_object(values, value)
     return values
+
+
+def first_failure(message: str | None) -> str | None:
+    """The first rank's failure ``message`` (None: this rank did not fail), or None when no rank
+    failed: what every rank raises, so that none goes on alone to wait for the others forever (a
+    collective: call it on every rank)."""
+    return next((m for m in gather_objects(message) if m is not None), None)

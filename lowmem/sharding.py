@@ -44,6 +44,7 @@ from torch import nn
 
 from lowmem import distributed
 from lowmem.profiler.peak import PeakMeasurement
+from lowmem.profiler.real_passes import named_first_line
 from lowmem.profiler.report import MemoryReport
 from lowmem.profiler.state import COMPACT_COLUMN_BYTES, _state_entry_bytes, csr_index_bytes
 from lowmem.residual import residual_stacks
@@ -254,7 +255,7 @@ def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) 
         written = next((f for f in failures if isinstance(f, OSError) and f.errno is not None), None)
         if written is not None:
             raise OSError(written.errno, written.strerror, written.filename or str(path)) from error
-        raise RuntimeError(f"{path} could not be written: {_first_line(failures[0])}") from error
+        raise RuntimeError(f"{path} could not be written: {named_first_line(failures[0], 200)}") from error
 
 
 def _writer(path: Path) -> Any:
@@ -302,7 +303,7 @@ def check_shards(path: Path) -> Any:
         for stored in metadata.storage_data.values():
             ends[stored.relative_path] = max(ends.get(stored.relative_path, 0), stored.offset + stored.length)
     except Exception as error:
-        reason = f"{_first_line(error)}: truncated or corrupt"
+        reason = f"{named_first_line(error, 200)}: truncated or corrupt"
         raise DamagedShards(f"{damaged}: {listing} cannot be read ({reason})") from error
     for name, end in sorted(ends.items()):
         file = path / name
@@ -315,11 +316,6 @@ def check_shards(path: Path) -> Any:
     return metadata
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
-
-
 def _checked_on_every_rank(path: Path) -> Any:
     """``check_shards(path)`` on every rank, which all raise the first rank's ``DamagedShards`` if
     any rank's check failed (a rank that went on alone would wait for the others forever)."""
@@ -328,7 +324,7 @@ def _checked_on_every_rank(path: Path) -> Any:
         metadata = check_shards(path)
     except DamagedShards as error:
         problem = str(error)
-    found = next((p for p in distributed.gather_objects(problem) if p is not None), None)
+    found = distributed.first_failure(problem)
     if found is not None:
         raise DamagedShards(found)
     return metadata
@@ -345,7 +341,7 @@ def _load(state: dict[str, Any], path: Path) -> None:
     except CheckpointException as error:
         first = error.failures[min(error.failures)][0]
         raise DamagedShards(
-            f"the sharded checkpoint {path} does not load into this run ({_first_line(first)}): "
+            f"the sharded checkpoint {path} does not load into this run ({named_first_line(first, 200)}): "
             "another run's, or damaged"
         ) from error
 

@@ -1115,10 +1115,9 @@ def resume_from(trainer: Trainer, resume_dir: str, run_dir: Path) -> None:
 def _refuse_together(failure: RunRefused | None) -> None:
     """Raise ``failure`` (this rank's, or None) on this rank, or on every rank the first rank's: ranks
     that went on after another stopped would wait for it forever (a collective: call it on every rank)."""
-    messages = distributed.gather_objects(None if failure is None else str(failure))
+    first = distributed.first_failure(None if failure is None else str(failure))
     if failure is not None:
         raise failure
-    first = next((message for message in messages if message is not None), None)
     if first is not None:
         raise RunRefused(first)
 

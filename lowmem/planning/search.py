@@ -100,7 +100,7 @@ from lowmem.planning.optimal import AccountedSchedule, CheckpointPlacement, Mini
 from lowmem.planning.reported import reported_metric
 from lowmem.profiler import MB, StateBytes, account_state, step_temporaries
 from lowmem.profiler.activations import quieted
-from lowmem.profiler.real_passes import first_line
+from lowmem.profiler.real_passes import named_first_line
 from lowmem.profiler.report import data_bytes
 from lowmem.profiler.state import dense_weight_bytes
 from lowmem.profiler.step import data_tensors
@@ -747,7 +747,7 @@ class Planner:
         except Exception as error:  # noqa: BLE001 - whatever stops it, the configuration is refused, not chosen
             if ahead.in_child():
                 raise
-            self._refused[key] = _first_line(error)
+            self._refused[key] = named_first_line(error)
             return None
         beyond = accounted.beyond_bytes_at(density)
         if room is not None and accounted.activation_bytes + beyond > room:
@@ -929,7 +929,7 @@ class Planner:
         except Exception as error:  # noqa: BLE001 - whatever stops it, the configuration is refused, not chosen
             if ahead.in_child():
                 raise
-            self._refused[key] = _first_line(error)
+            self._refused[key] = named_first_line(error)
             return None
 
     def refusals(self) -> list[str]:
@@ -1020,12 +1020,6 @@ def _same_figures(candidate: Candidate, other: Candidate) -> bool:
     chunk logits below its size): the first is then listed alone."""
     figures = ("strategy", "every", "activation_bytes", "flops", "temporary_bytes", "microbatch", "precision")
     return candidate.chunk != other.chunk and all(getattr(candidate, f) == getattr(other, f) for f in figures)
-
-
-def _first_line(error: BaseException) -> str:
-    """``ValueError: <the first line of its message>`` (the class name alone without one)."""
-    line = first_line(error)
-    return line if line == type(error).__name__ else f"{type(error).__name__}: {line}"
 
 
 def _quantization(bits: int | None) -> int:

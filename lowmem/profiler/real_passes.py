@@ -165,3 +165,10 @@ def first_line(error: BaseException) -> str:
     """The first line of ``error``'s message, or its class name when it has none."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def named_first_line(error: BaseException, limit: int | None = None) -> str:
+    """``ValueError: <the first line of its message>`` (at most ``limit`` characters of it; the class
+    name alone without one)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:limit]}" if text else type(error).__name__
