@@ -42,6 +42,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -117,13 +118,17 @@ def locked(directory: Path, name: str = "lock") -> Iterator[None]:
         os.close(descriptor)  # releases the lock
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """``path`` := ``data``, through a scratch file in its directory renamed into place (a reader sees
-    the old file or the new one, whole)."""
+def write_atomically(path: Path, data: bytes | Callable[[IO[bytes]], object], mode: int | None = None) -> None:
+    """``path`` := ``data`` (bytes, or a function that writes them to the file it is given), through a
+    scratch file in its directory, flushed to disk and renamed into place (a reader sees the old file
+    or the new one, whole). ``mode``: the file's permissions (default ``mkstemp``'s 0600). The run
+    files' writes are these too (``lowmem.run.files``)."""
     descriptor, scratch = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if mode is not None:
+            os.chmod(scratch, mode)
         with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
+            data(handle) if callable(data) else handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(scratch, path)

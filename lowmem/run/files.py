@@ -15,7 +15,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import IO, Any
 
 import torch
 
+from lowmem.kernels.cpu import write_atomically
 from lowmem.run.refusals import RunRefused
 
 CONFIG = ".hydra/config.yaml"
@@ -70,19 +70,11 @@ def disk_error(error: BaseException) -> OSError | None:
 
 def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     path = Path(path)
-    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give the usual permissions
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        # mkstemp makes 0600 files: a run's files get the usual permissions.
+        write_atomically(path, write, mode=0o666 & ~_UMASK)
     except BaseException as error:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
         cause = disk_error(error)
         if cause is not None:
             raise WriteFailed(path, cause) from error
