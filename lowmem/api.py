@@ -45,6 +45,7 @@ from lowmem.planning.budget import plan_search
 from lowmem.planning.search import compose_config
 from lowmem.recipe import RecipeData, TechniqueDefaults
 from lowmem.techniques.compact import use_dense_keys
+from lowmem.techniques.compilation import uncompiled
 from lowmem.techniques.sparsity import DC_SCHEDULE, RewireSchedule
 from lowmem.techniques.targets import default_sparse_weights
 
@@ -395,6 +396,10 @@ def prepare(model: nn.Module, loss_fn: LossFn, example_batch: Any, overrides: Se
         ``run.profile()`` and ``plan`` measure it).
     overrides: knobs as on the command line, e.g. ``["precision=bf16", "microbatch.size=10"]``.
 
+    A model you compiled (``torch.compile(model)``, or ``model.compile()``) is prepared as the module
+    itself and compiled again over the techniques (``trainer.compile=true``, unless you set it);
+    ``run.model.compile()`` after ``prepare`` works too, with the graph breaks of lowmem's eager code.
+
     Refused in one line before anything changes (``check_model``): a model prepared before (a
     prepare modifies it once), one without trainable parameters, one whose parameters are not FP32
     under ``precision=fp32`` (the default) or ``amp`` (a ConfigError: ``model.float()`` or the
@@ -403,6 +408,11 @@ def prepare(model: nn.Module, loss_fn: LossFn, example_batch: Any, overrides: Se
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
+    # A model you compiled (torch.compile or nn.Module.compile) is prepared uncompiled and compiled
+    # again with the techniques in place, unless trainer.compile is given.
+    model, was_compiled = uncompiled(model)
+    if was_compiled and not any(str(o).lstrip("+").startswith("trainer.compile=") for o in overrides):
+        overrides = [*overrides, "trainer.compile=true"]
     task = LoopTask(loss_fn)
     cfg = loop_config(overrides, batch_examples(example_batch, "example_batch"))
     return Run(_build(cfg, model, task, example_batch), task)

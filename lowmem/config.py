@@ -23,6 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from lowmem.libraries import WORKSPACES
+from lowmem.techniques.compilation import BACKENDS as COMPILE_BACKENDS
 from lowmem.techniques.compression import validate_compress
 from lowmem.techniques.cpu_compute import CPU_COMPUTE
 from lowmem.techniques.head_loss import validate_chunk_tokens
@@ -331,6 +332,19 @@ class TrainerConfig:
         "microbatch: each rank accumulates only its shard) or `minibatch` (once, after the last microbatch: "
         "fewer collectives, but every rank accumulates unsharded gradients of the whole model).",
     )
+    compile: bool = knob(
+        False,
+        "`torch.compile` the model's forward (and, through AOTAutograd, its backward) with every technique: "
+        "in place, the state-dict keys unchanged. lowmem's own eager code (each checkpointed stack or block, each "
+        "compact sparse layer) runs outside the compiled graphs, one graph break each; a model that compiles whole "
+        "gets none from lowmem. `lowmem.profile` reports `graph_breaks` and why; compiled kernels are cached under "
+        "lowmem's cache directory (`docs/compile.md`).",
+    )
+    compile_backend: str = knob(
+        "inductor",
+        "`trainer.compile=true`: the `torch.compile` backend: `inductor` (compiled kernels), or `aot_eager` / "
+        "`eager` (graphs captured, run by eager kernels) to tell a compiler bug from a lowmem one.",
+    )
     cuda_graphs: str = knob(
         "auto",
         "`auto`: on CUDA in one process, each microbatch shape that repeats is captured once (forward, loss "
@@ -558,6 +572,12 @@ def validate(cfg: DictConfig | Config) -> None:
         "trainer.cuda_graphs",
         cfg.trainer.cuda_graphs,
         f"one of {', '.join(CUDA_GRAPHS)}",
+    )
+    _require(
+        cfg.trainer.compile_backend in COMPILE_BACKENDS,
+        "trainer.compile_backend",
+        cfg.trainer.compile_backend,
+        f"one of {', '.join(COMPILE_BACKENDS)}",
     )
     _require(
         cfg.trainer.workspaces in WORKSPACES,

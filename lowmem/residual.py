@@ -72,13 +72,20 @@ def plain_norm_relu_conv(norm: nn.Module, conv: nn.Module, x: torch.Tensor) -> t
 
 def relu_of_norm(normalized: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``relu(normalized)``, in place when autograd is off and ``normalized`` (a norm's output) does not
-    share ``x``'s storage: no second activation-sized tensor."""
+    share ``x``'s storage: no second activation-sized tensor. Under ``torch.compile`` out of place
+    (the compiler plans its own buffers; the storage test would break the graph)."""
+    if torch.compiler.is_compiling():
+        return F.relu(normalized)
     shares = torch._C._is_alias_of(normalized, x)  # storage identity, fake tensors included
     return F.relu(normalized, inplace=not torch.is_grad_enabled() and not shares)
 
 
 def norm_relu_conv(block: nn.Module, norm: nn.Module, conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``conv(relu(norm(x)))`` computed the way checkpointing chose for ``block`` (plain by default)."""
+    """``conv(relu(norm(x)))`` computed the way checkpointing chose for ``block`` (plain by default).
+    Compiled code computes it plainly: the compiler's partitioner recomputes the norm and the ReLU in
+    backward instead of saving their outputs, as ``no_bn`` does eagerly."""
+    if torch.compiler.is_compiling():
+        return plain_norm_relu_conv(norm, conv, x)
     compute = getattr(block, "_norm_relu_conv", plain_norm_relu_conv)
     return compute(norm, conv, x)
 

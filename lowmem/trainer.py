@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from lowmem import distributed, kernels, sharding
 from lowmem.config import ConfigError, microbatch_mode, name_list, state_width, validate
@@ -53,6 +54,7 @@ from lowmem.schedules import learning_rate
 from lowmem.signals import Interrupted, StopOnSignal
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.compact import compact_state_dict_keys, dense_copy, dense_state_dict
+from lowmem.techniques.compilation import CompileRecord, apply_compile, compile_record
 from lowmem.techniques.compression import allowed_widths, apply_compression, compression_of, validate_compress
 from lowmem.techniques.convolutions import tune_convolutions
 from lowmem.techniques.cpu_compute import choices as cpu_compute_choices
@@ -148,7 +150,8 @@ class Trainer:
         # synchronises streams) outside what a captured graph can replay: those runs stay eager.
         self.compression = compression_of(self.unwrapped_model)
         self.offload = offload_of(self.unwrapped_model)
-        eager_only = self.compression is not None or self.offload is not None
+        # Compiled runs stay eager too: captures of compiled code are not measured yet (no GPU here).
+        eager_only = self.compression is not None or self.offload is not None or cfg.trainer.compile
         self.microbatch_runner = make_microbatch_runner(
             "off" if eager_only else cfg.trainer.cuda_graphs,
             self.eager_microbatches,
@@ -162,6 +165,8 @@ class Trainer:
         # Ranks take rank 0's: each probes its own CPU, and where native and FP32 kernels are about as
         # fast (BF16 on AVX-512) a loaded core can tip one rank's probe the other way.
         self.cpu_compute = distributed.rank0s(cpu_compute_choices(policy.cpu_compute, policy.sixteen_bit, device))
+        # trainer.compile: what the model's calls compiled (graph breaks, compile time), else None.
+        self.compiled = compile_record(self.unwrapped_model)
         self.state = TrainState()
         self.nonfinite_in_row, self.nonfinite_warned = 0, False  # trainer.stop_on_nonfinite
         self.nonfinite_loss = math.nan  # the last skipped step's loss
@@ -238,8 +243,32 @@ class Trainer:
         runner = self.eager_microbatches if local else self.microbatch_runner
         if self.sharded and not local and self.config.trainer.gradient_sync == "minibatch":
             sharding.set_gradient_sync(model, index == count - 1)
-        with no_sync_except_last(model, index, count):
+        watch = self.compiled.watch() if self.compiled is not None and not local else contextlib.nullcontext()
+        with no_sync_except_last(model, index, count), watch:
             return runner.forward_backward(model, part, weight)
+
+    def warm_up_compiled(self, batch: Any) -> None:
+        """Compile what ``batch``'s step compiles without training on it: forward and backward of each
+        of its distinct microbatch shapes, then the gradients, the running statistics and the RNG as
+        they were (a measured step then measures the step, not the compiler). Nothing without
+        ``trainer.compile``, or once compiled."""
+        if self.compiled is None or self.compiled.compilations:
+            return
+        seen: set[tuple] = set()
+        grads = [p.grad for p in self.params]
+        running = [b.clone() for b in self.running_buffers]
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.arithmetic():
+            for part, weight in self.microbatches(batch):
+                shapes = tuple(tuple(t.shape) for t in tree_leaves(part) if isinstance(t, torch.Tensor))
+                if shapes not in seen:
+                    seen.add(shapes)
+                    self.model.train()
+                    with self.compiled.watch():
+                        self.eager_microbatches.forward_backward(self.unwrapped_model, part, weight)
+        for param, grad in zip(self.params, grads, strict=True):
+            param.grad = grad
+        if running:
+            torch._foreach_copy_(self.running_buffers, running)
 
     def account_memory(self) -> dict[str, int]:
         """Accounted bytes (model, optimizer, activations, total) and FLOPs of one minibatch."""
@@ -272,6 +301,12 @@ class Trainer:
         are made inside the ops' kernels: scratch that the measured CPU peaks do not see, as they do
         not see native kernels'. Inside an enclosing one it does nothing."""
         return context_for(self.cpu_compute)
+
+    def compile_summary(self) -> dict[str, Any]:
+        """``trainer.compile`` and what compiling the model gave (profile JSON, result.json)."""
+        if self.compiled is None:
+            return {"compile": False, **CompileRecord.not_compiled()}
+        return {"compile": True, **self.compiled.to_json()}
 
     def cpu_compute_record(self) -> dict[str, Any]:
         """``precision.cpu_compute`` and what it chose per kind of op (result.json, profile JSON)."""
@@ -609,6 +644,7 @@ class Trainer:
             "peak_bytes": peak_bytes,
             "lr_mult": self.lr_mult,
             "cpu_compute": self.cpu_compute_record(),
+            **({"compile": self.compile_summary()} if self.compiled is not None else {}),
             "config": OmegaConf.to_container(self.config, resolve=True),
             "provenance": provenance(self.device),
         }
@@ -796,6 +832,7 @@ class PeakTracker:
     def __init__(self, trainer: Trainer, previous: int | None = None) -> None:
         self.trainer, self.device, self.previous = trainer, trainer.device, previous
         self.measured: dict[str, int] = {}  # CPU: "step" / "evaluation" -> tracked peak
+        self.compiled_steps = 0  # steps tracked or not (trainer.compile: the first is not)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -815,10 +852,15 @@ class PeakTracker:
     @contextmanager
     def track(self, what: str, batch: Any = None) -> Iterator[None]:
         """Measure a training step (``what="step"``) or an evaluation (``"evaluation"``)."""
-        if self.device.type == "cuda" or what in self.measured:
+        trainer = self.trainer
+        # Compiled: the first step compiles (the allocator events would count the compiler's own
+        # tensors); the second is measured.
+        first_compiled = what == "step" and trainer.compiled is not None and not self.compiled_steps
+        if what == "step":
+            self.compiled_steps += 1
+        if self.device.type == "cuda" or what in self.measured or first_compiled:
             yield
             return
-        trainer = self.trainer
         data = data_tensors(trainer, batch)
         with trainer.arithmetic(), track_peak(trainer.unwrapped_model, trainer.optimizer, self.device, data) as tracker:
             yield
@@ -1020,6 +1062,11 @@ def apply_techniques(
         model = distributed.wrap_model(model, device, sync_batchnorm=cfg.trainer.sync_batchnorm)
     if sparsity is not None:
         distributed.check_identical(sparsity.mask_checksum(), "initial sparsity masks", device)
+    # 7. Compilation (trainer.compile) over the model as every technique left it: its forward and
+    #    backward compiled, lowmem's own eager code (checkpointed stacks and blocks, compact layers)
+    #    outside the graphs (lowmem.techniques.compilation). The accounting passes run it eagerly.
+    if cfg.trainer.compile:
+        apply_compile(getattr(model, "module", model), cfg.trainer.compile_backend)
     trainer = Trainer(cfg, recipe, model, data, policy, sparsity, defaults, device)
     if trainer.sharded:
         trainer.unsharded_report = unsharded
@@ -1045,13 +1092,19 @@ def apply_techniques(
 
 
 def _chunk_setting(cfg: DictConfig) -> int | str | None:
-    """``loss.chunk_tokens`` as this run applies it: ``auto`` is off under ``trainer.parallel=fsdp``,
-    where a number of tokens is refused."""
+    """``loss.chunk_tokens`` as this run applies it: ``auto`` is off under ``trainer.parallel=fsdp``
+    and ``trainer.compile=true``, where a number of tokens is refused."""
     setting = validate_chunk_tokens(cfg.loss.chunk_tokens)
-    if cfg.trainer.parallel != "fsdp" or setting is None:
+    if (cfg.trainer.parallel != "fsdp" and not cfg.trainer.compile) or setting is None:
         return setting
     if setting == "auto":
         return None
+    if cfg.trainer.compile:
+        raise ConfigError(
+            f"loss.chunk_tokens={setting} is not allowed with trainer.compile=true: the chunked head hands the loss "
+            "lazy logits, a tensor subclass the compiler cannot trace; use loss.chunk_tokens=auto or none (unchunked "
+            "when compiled), or trainer.compile=false"
+        )
     raise ConfigError(
         f"loss.chunk_tokens={setting} is not allowed with trainer.parallel=fsdp: the chunked loss reads the output "
         "layer's weight after FSDP2 has resharded it; use loss.chunk_tokens=auto or none (unchunked there)"

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
+import time
 import types
 import warnings
 import weakref
@@ -275,6 +277,71 @@ class AllocationTracker(TorchDispatchMode):
         self._finalizers.clear()
 
 
+class CompiledStepTracker(AllocationTracker):
+    """The tracker of a step that runs compiled code (``torch.compile``): the allocator's own
+    allocation and free events, which ``torch.profiler`` records (``profile_memory``) for compiled
+    kernels' buffers as for eager ops' tensors, where a ``TorchDispatchMode`` would make compiled
+    code run uncompiled. The peak is the bytes alive at the start (counted and named as
+    ``AllocationTracker`` counts them) plus the highest running total of the step's allocations
+    less its frees; at the peak, what the step itself holds is one figure, ``temporary`` (the
+    events do not say whose a buffer is). ``location``: the innermost op running at the peak.
+
+    The allocator reports no free of a block allocated before profiling began: the deaths of the
+    tensors alive at the start (a previous step's gradients, set to None) come from their storages'
+    finalizers instead, timed on the profiler's clock (ns since the epoch)."""
+
+    def __enter__(self) -> CompiledStepTracker:
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # no profiler banners on stderr
+        from torch.profiler import ProfilerActivity, profile
+
+        self._deaths: list[tuple[int, int]] = []
+        self._start()
+        self._context.callback(self._detach)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._profiler = self._context.enter_context(profile(activities=activities, profile_memory=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._context.close()
+        if exc[0] is None:
+            self._read(self._profiler.profiler.kineto_results.events())
+
+    def _track(self, storage: torch.UntypedStorage, category: str) -> None:
+        nbytes = storage.nbytes()
+        self._storages[storage._cdata] = _Storage(nbytes, category)
+        self.live[category] += nbytes
+        self._finalizers.append(weakref.finalize(storage, self._died, nbytes))
+        self.start_bytes = sum(self.live.values())
+
+    def _died(self, nbytes: int) -> None:
+        self._deaths.append((time.time_ns(), -nbytes))
+
+    def _detach(self) -> None:
+        for finalizer in self._finalizers:
+            finalizer.detach()
+        self._finalizers.clear()
+
+    def _read(self, events: list) -> None:
+        kind = "CUDA" if self.device.type == "cuda" else "CPU"
+        memory = [e for e in events if e.name() == "[memory]" and str(e.device_type()).endswith(kind)]
+        changes = sorted([(e.start_ns(), e.nbytes()) for e in memory] + self._deaths)
+        running = highest = 0
+        at = None
+        for when, nbytes in changes:
+            running += nbytes
+            if running > highest:
+                highest, at = running, when
+        self.breakdown = dict(self.live)
+        self.breakdown["temporary"] += highest
+        self.peak_bytes = self.start_bytes + highest
+        ops = [e for e in events if e.name() != "[memory]" and at is not None and e.start_ns() <= at <= e.end_ns()]
+        innermost = min(ops, key=lambda e: e.end_ns() - e.start_ns(), default=None)
+        name = innermost.name() if innermost is not None else "start"
+        if "CompiledFxGraph" in name:  # "## Call CompiledFxGraph <hash> ##"
+            name = "a compiled graph"
+        self.location = f"compiled step: {name}"
+
+
 @contextlib.contextmanager
 def _storage_resizes_reported_to(report: Callable[[torch.UntypedStorage], None]) -> Iterator[None]:
     """Calls ``report(storage)`` after every ``UntypedStorage.resize_`` inside: the dispatcher never
@@ -360,8 +427,27 @@ def track_peak(
     only the tensors alive at the start that these objects reach (``AllocationTracker``)."""
     if device is None:
         device = next(model.parameters()).device if model is not None else torch.device("cpu")
-    with AllocationTracker(device, model, optimizer, data, owners) as tracker:
+    kind = CompiledStepTracker if model is not None and runs_compiled(model) else AllocationTracker
+    with kind(device, model, optimizer, data, owners) as tracker:
         yield tracker
+
+
+def runs_compiled(model: nn.Module) -> bool:
+    """Whether calling ``model`` runs compiled code: compiled in place (``nn.Module.compile``) or a
+    ``torch.compile`` wrapper (``lowmem.techniques.compilation.is_compiled``, which this layer may
+    not import)."""
+    return getattr(model, "_compiled_call_impl", None) is not None or hasattr(model, "_orig_mod")
+
+
+@contextlib.contextmanager
+def accounted_eagerly(model: nn.Module | None) -> Iterator[None]:
+    """Inside: a compiled ``model`` runs eagerly (``torch.compiler.set_stance("force_eager")``), as the
+    accounting's fake-tensor passes and FLOP counts need (their dispatch modes see every op)."""
+    if model is None or not runs_compiled(model):
+        yield
+        return
+    with torch.compiler.set_stance("force_eager"):
+        yield
 
 
 def graph_pool_bytes(device: torch.device, segments: list[dict] | None = None) -> int:
@@ -415,9 +501,8 @@ def measure_peak(
             tracker.start_bytes,
             "cuda allocator",
         )
-    return PeakMeasurement(
-        tracker.peak_bytes, tracker.breakdown, tracker.location, tracker.start_bytes, "cpu tensor tracker"
-    )
+    source = "cpu allocator events" if isinstance(tracker, CompiledStepTracker) else "cpu tensor tracker"
+    return PeakMeasurement(tracker.peak_bytes, tracker.breakdown, tracker.location, tracker.start_bytes, source)
 
 
 def count_flops(run_step: Callable[[], object]) -> int:

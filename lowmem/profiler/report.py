@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from lowmem.profiler.activations import ActivationTrace, account_activations
-from lowmem.profiler.peak import measure_peak
+from lowmem.profiler.peak import accounted_eagerly, measure_peak
 from lowmem.profiler.state import account_state, step_temporaries
 
 MB = 1e6  # the report's megabyte (404.8 MB = 404.8e6 bytes)
@@ -203,7 +203,8 @@ def profile_step(
     started = time.perf_counter()
     sparse = dict(sparse or {})
     state = account_state(model, optimizer, sparse)
-    traces = [(account_activations(m.run, model, fake=fake, inputs=m.inputs), m.count) for m in microbatches]
+    with accounted_eagerly(model):  # a compiled model's ops, each seen by the accounting
+        traces = [(account_activations(m.run, model, fake=fake, inputs=m.inputs), m.count) for m in microbatches]
     activations = max((trace for trace, _ in traces), key=lambda trace: trace.activation_bytes)
     pool, eager = replayed_activations(
         [(trace.activation_bytes, m.replayed) for (trace, _), m in zip(traces, microbatches, strict=True)]

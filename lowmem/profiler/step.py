@@ -60,7 +60,9 @@ ROW_FIELDS = {
     "peak_bytes": "The measured peak of one real training step on the device (CUDA: the allocator's "
     "`max_memory_allocated`, plus the graph pool's unused reserve; CPU: lowmem's tensor tracker); null with "
     "`profile.measure_peak=false`.",
-    "peak_source": "How the peak was measured: `cuda allocator` or `cpu tensor tracker`.",
+    "peak_source": "How the peak was measured: `cuda allocator`, `cpu tensor tracker`, or (a compiled model on a "
+    "CPU) `cpu allocator events` (torch.profiler's record of the allocator; the step's own bytes are one "
+    "`temporary` figure).",
     "peak_breakdown": "The measured peak by category: data, workspaces, graph_pool, parameters, gradients, "
     "optimizer_state, saved_activations, temporary, other.",
     "peak_location": "Where the measured peak happened.",
@@ -76,6 +78,15 @@ ROW_FIELDS = {
     "profiles its share).",
     "device": "The training device.",
     "cpu_compute": "`precision.cpu_compute` and what it chose per kind of op.",
+    "compile": "`trainer.compile`: whether the model ran compiled (`torch.compile`).",
+    "graph_breaks": "`trainer.compile=true`: graph breaks of the model's first compilation (the measured step "
+    "compiles first); null when not compiled, or when the process had compiled an identical model before.",
+    "graph_break_reasons": "`trainer.compile=true`: each break's reason (first line and torch's context), with "
+    "its count.",
+    "compile_backend": "`trainer.compile_backend`.",
+    "compiled_graphs": "`trainer.compile=true`: graphs compiled (every microbatch shape's).",
+    "recompilations": "`trainer.compile=true`: compilations after the first (another microbatch shape).",
+    "compile_seconds": "`trainer.compile=true`: wall time of the calls that compiled (compilation and one run).",
     "torch": "torch's version.",
     "rank": "`python -m lowmem.profile` only: this process's rank (0 without torchrun).",
     "world_size": "`python -m lowmem.profile` only: the number of ranks.",
@@ -103,6 +114,8 @@ def profile_trainer(trainer: Any, measure: bool = True, batch: Any = None) -> Me
     ]
     sparse = trainer.sparsity.trained_parameters() if trainer.sparsity is not None else None
     step = (lambda: trainer.train_step(batch)) if measure else None
+    if measure and hasattr(trainer, "warm_up_compiled"):  # trainer.compile: compiled before it is measured
+        trainer.warm_up_compiled(batch)
     return profile_step(
         trainer.unwrapped_model,
         trainer.optimizer,
@@ -154,6 +167,7 @@ def profile_row(trainer: Any, measure: bool) -> tuple[MemoryReport, dict[str, An
         "batch_shapes": batch_shapes(batch),
         "device": str(trainer.device),
         "cpu_compute": trainer.cpu_compute_record(),
+        **(trainer.compile_summary() if hasattr(trainer, "compile_summary") else {}),
         "torch": torch.__version__,
     }
     return report, row

@@ -78,6 +78,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lowmem.residual import residual_stacks
 from lowmem.techniques.block_checks import OutputFingerprint, argument_state, has_values
 from lowmem.techniques.compact_shards import gathered_for
+from lowmem.techniques.compilation import outside_compiler
 from lowmem.techniques.compression import compressed_saves, stored_saves
 from lowmem.techniques.norm_routing import route_norm_relu_conv, routed_forward
 from lowmem.techniques.recomputation import (
@@ -446,11 +447,18 @@ class ChainRunner:
         self.plan: list[tuple[int, Segment]] | None = None  # per block: (segment number, segment)
         self.observer: Callable | None = None  # the planner's recorder (lowmem.planning.measure)
         self._last: _Last | None = None
+        # Checkpointed calls run eagerly under torch.compile (lowmem.techniques.compilation): in
+        # forward and in the recomputation alike; RNG replay and the self-check are Python.
+        self._checkpointed = outside_compiler(self._checkpointed_call)
 
     def __getstate__(self) -> dict[str, Any]:
         # The last block call (a weak reference to its output) lives for one forward only: a
         # pickled model (torch.save(run.model)) or a copy starts its next forward without it.
-        return {**self.__dict__, "_last": None}
+        return {**self.__dict__, "_last": None, "_checkpointed": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._checkpointed = outside_compiler(self._checkpointed_call)
 
     def unwrap(self) -> None:
         for block, forward in zip(self.blocks, self.forwards, strict=True):
@@ -481,11 +489,20 @@ class ChainRunner:
             return self.observer(self, index, args, kwargs)
         x = args[0] if args else None
         usable = isinstance(x, torch.Tensor) and x.is_floating_point() and torch.is_grad_enabled()
-        if self.plan is None or not usable or self.plan[index][1].backprop == "stored":
+        if self.plan is None:
             self._last = None
-            segment = Segment(1) if self.plan is None else self.plan[index][1]
+            return forward.plain(*args, **kwargs)
+        if not usable or self.plan[index][1].backprop == "stored":
+            self._last = None
+            segment = self.plan[index][1]
             with stored_saves(segment.bits, segment.offload):
                 return forward.plain(*args, **kwargs)
+        return self._checkpointed(index, args, kwargs)
+
+    def _checkpointed_call(self, index: int, args: tuple, kwargs: dict) -> Any:
+        """A block call of a checkpointed segment: one autograd node (``_ChainedBlock``), eager
+        under ``torch.compile`` (``_checkpointed``)."""
+        forward, x = self.forwards[index], args[0]
         number, segment = self.plan[index]
         last = self._last
         chained = (

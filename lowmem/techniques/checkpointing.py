@@ -40,6 +40,10 @@ per forward (SPEC §6). Both recomputations are custom ``autograd.Function``s ra
 ``torch.utils.checkpoint``, whose non-reentrant mode stops recomputing early and does not nest
 the way ``residual_star`` needs (SPEC §6).
 
+Under ``torch.compile`` each checkpointed stack's executor runs eagerly (``outside_compiler``: one
+graph break per stack), its blocks too, in forward and in the recomputation alike; a compiled
+block's norm-ReLU-conv triple is the plain one (``lowmem.techniques.compilation``).
+
 Apply before wrapping the model in DistributedDataParallel; the transformation changes no module,
 parameter or state-dict key, so it composes with precision conversion and sparsity in any order.
 """
@@ -66,6 +70,7 @@ from lowmem.residual import (
 )
 from lowmem.techniques.chains import find_block_chains, install_chains, installed_runners, route_blocks
 from lowmem.techniques.compact import conv2d_backward, dense_weight, index_of, trained_weight
+from lowmem.techniques.compilation import outside_compiler
 from lowmem.techniques.compression import compressed_saves, stored_saves
 from lowmem.techniques.recomputation import (
     BACKPROPS,
@@ -136,7 +141,8 @@ def apply_checkpointing(model: nn.Module, strategy: str, every: int = 1, blocks:
         set_recompute_norm(block, recompute_norm)
     if strategy in ("residual", "residual_star"):
         # Segments cut from each stack's own length when it runs: nested stacks work too.
-        set_block_executor(model, functools.partial(run_uniform_segments, strategy=strategy, every=every))
+        executor = functools.partial(run_uniform_segments, strategy=strategy, every=every)
+        set_block_executor(model, outside_compiler(executor))
     else:
         set_block_executor(model, run_sequentially)
 
@@ -179,7 +185,8 @@ def apply_schedule(model: nn.Module, schedules: Sequence[Sequence[Segment]]) -> 
                 set_recompute_norm(block, segment.recompute_norm)
             start += segment.blocks
         stored = all(s.backprop == "stored" and s.bits is None and not s.offload for s in segments)
-        set_block_executor(stack, run_sequentially if stored else functools.partial(run_segments, segments=segments))
+        executor = functools.partial(run_segments, segments=segments)
+        set_block_executor(stack, run_sequentially if stored else outside_compiler(executor))
 
 
 def apply_to_chains(model: nn.Module, strategy: str, every: int, blocks: Sequence[str] = ()) -> None:

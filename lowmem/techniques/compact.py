@@ -566,6 +566,11 @@ def _compact_class(module: nn.Module) -> type | None:
     return _COMPACT_CLASSES.get(kind)
 
 
+def compact_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that run a compact forward (layers, and modules of stacked matrices)."""
+    return [m for m in model.modules() if isinstance(m, (_CompactModule, _CompactStackedModule))]
+
+
 def has_compact_forward(module: nn.Module) -> bool:
     """Whether ``module``'s ``weight`` can be held compact and run by a compact forward: exactly
     ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding`` and transformers' ``Conv1D`` (not their

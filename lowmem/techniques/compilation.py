@@ -1,0 +1,198 @@
+"""``torch.compile`` with lowmem's techniques (``trainer.compile=true``).
+
+**What is compiled**: the model's forward, whole, with AOTAutograd's backward
+(``nn.Module.compile``: in place, so the module tree, the parameters and the state-dict keys stay
+what they were; a checkpoint of a compiled run loads into an uncompiled model and back). The loss,
+the loss scaling, the optimizer step and rewiring stay eager: they run once per step, not per op.
+
+**What runs eagerly inside it** (``outside_compiler``: the compiler stops its graph at the call,
+runs the call in Python, and starts a new graph after it: one *graph break* each):
+
+- each checkpointed residual stack's block executor, and each call of a block in a checkpointed
+  segment of a chain (``lowmem.techniques.chains``). Their custom autograd nodes replay RNG state,
+  watch the blocks for side outputs and fingerprint a block's first recomputation: Python the
+  compiler cannot trace. The blocks in them run eagerly in forward and in the recomputation alike,
+  so the recomputation repeats the forward's own code and its self-check compares like with like.
+- each compact sparse layer (``sparsity.storage=compact``): its weight is built from the compact
+  values in a C kernel on the CPU.
+
+A model without those compiles whole: lowmem adds no break. ``no_bn``'s BatchNorm-ReLU
+recomputation needs no code of lowmem's under the compiler: a compiled block's triple is the plain
+``conv(relu(norm(x)))`` and AOTAutograd's partitioner recomputes the pointwise norm and ReLU in
+backward instead of saving their outputs (its min-cut rematerialization), which is what ``no_bn``
+does eagerly.
+
+**Counting**: ``CompileRecord`` counts the graph breaks (with their reasons) and the compile time of
+the calls of one model that compiled something, from ``torch._dynamo``'s counters; a model identical
+to one compiled before in the process reuses that one's graphs and compiles nothing.
+
+**The inductor cache** (``TORCHINDUCTOR_CACHE_DIR``) is put under lowmem's cache directory
+(``lowmem.kernels.cpu.cache_dir()``; one you set yourself is kept), so a second run of a
+configuration loads its compiled kernels instead of building them again.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowmem.kernels import cpu as kernel_cache
+from lowmem.techniques.compact import compact_layers
+
+BACKENDS = ("inductor", "aot_eager", "eager")  # trainer.compile_backend
+_RECORD = "_lowmem_compile_record"  # the CompileRecord of a model compiled by apply_compile
+
+
+def validate_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"trainer.compile_backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)}")
+
+
+def outside_compiler(function: Callable) -> Callable:
+    """``function`` run eagerly when compiled code calls it (one graph break per call site)."""
+    return _Eager(function)
+
+
+class _Eager:
+    """A callable the compiler does not trace (``torch.compiler.disable``), picklable when its
+    function is: a checkpointed model saved whole (``torch.save(run.model)``) or copied keeps it."""
+
+    def __init__(self, function: Callable) -> None:
+        self.function = function
+        self._eager = torch.compiler.disable(function, recursive=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eager(*args, **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"function": self.function}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["function"])
+
+
+def inductor_cache() -> str:
+    """The inductor cache directory: ``$TORCHINDUCTOR_CACHE_DIR`` if you set it, else ``inductor``
+    under lowmem's cache directory (set for this process, before inductor first reads it)."""
+    own = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if own:
+        return own
+    directory = kernel_cache.cache_dir() / "inductor"
+    kernel_cache.private_directory(directory)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
+    return str(directory)
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor") -> CompileRecord:
+    """Compile ``model``'s forward in place (``nn.Module.compile``) with ``backend``; returns the
+    record the trainer fills as the model compiles (``compile_record``)."""
+    validate_backend(backend)
+    if backend == "inductor":
+        inductor_cache()
+        # Random ops (dropout) draw from torch's generator as eager ops do: a compiled run draws the
+        # eager run's masks (inductor's own RNG would draw others).
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fallback_random = True
+    # Compact sparse layers build their weights in C kernels: eager, one graph break each.
+    for layer in compact_layers(model):
+        if not isinstance(layer.__dict__.get("forward"), _Eager):
+            layer.forward = outside_compiler(layer.forward)
+    # A model the user compiled (nn.Module.compile) is compiled again with lowmem's settings.
+    model._compiled_call_impl = None
+    model.compile(backend=backend)
+    record = CompileRecord(backend)
+    object.__setattr__(model, _RECORD, record)  # a plain attribute: no module, parameter or key
+    return record
+
+
+def compile_record(model: nn.Module) -> CompileRecord | None:
+    """The record of a model ``apply_compile`` compiled, else None."""
+    return getattr(model, _RECORD, None)
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` runs compiled code when called: compiled in place (``nn.Module.compile``,
+    by lowmem or by you) or a ``torch.compile`` wrapper."""
+    return getattr(model, "_compiled_call_impl", None) is not None or hasattr(model, "_orig_mod")
+
+
+def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:
+    """``model`` without the compilation you gave it, and whether it had one: the module a
+    ``torch.compile`` wrapper holds, or the module itself with its ``nn.Module.compile`` undone
+    (``lowmem.prepare`` compiles it again, with the techniques in place: ``trainer.compile=true``)."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, nn.Module):
+        return inner, True
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        model._compiled_call_impl = None
+        return model, True
+    return model, False
+
+
+class CompileRecord:
+    """Graph breaks, recompilations and compile time of one compiled model, as its calls compile.
+
+    ``graph_breaks``: the breaks of its first compilation (every microbatch shape after it compiles
+    the same code again, breaking at the same places: ``recompilations`` counts those);
+    ``reasons``: each break's first line, with how many times it occurred.
+    """
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.graph_breaks: int | None = None
+        self.reasons: collections.Counter[str] = collections.Counter()
+        self.graphs = 0  # graphs compiled, every compilation included
+        self.compilations = 0  # calls that compiled something
+        self.compile_seconds = 0.0  # wall time of those calls (compilation and one run)
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        """Around one call of the model (forward and backward): what it compiled."""
+        from torch._dynamo.utils import counters
+
+        breaks_before = collections.Counter(counters["graph_break"])
+        graphs_before = counters["stats"]["unique_graphs"]
+        started = time.perf_counter()
+        yield
+        graphs = counters["stats"]["unique_graphs"] - graphs_before
+        if graphs <= 0:
+            return
+        self.compile_seconds += time.perf_counter() - started
+        self.graphs += graphs
+        self.compilations += 1
+        breaks = collections.Counter(counters["graph_break"]) - breaks_before
+        if self.graph_breaks is None:
+            self.graph_breaks = sum(breaks.values())
+            for reason, count in breaks.items():
+                self.reasons[_first_line(reason)] += count
+
+    @staticmethod
+    def not_compiled() -> dict[str, Any]:
+        """``to_json``'s fields for a model that is not compiled."""
+        return {"compile_backend": None, "graph_breaks": None, "graph_break_reasons": {}, "compiled_graphs": 0,
+                "recompilations": 0, "compile_seconds": 0.0}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "compile_backend": self.backend,
+            "graph_breaks": self.graph_breaks,
+            "graph_break_reasons": dict(self.reasons.most_common()),
+            "compiled_graphs": self.graphs,
+            "recompilations": max(0, self.compilations - 1),
+            "compile_seconds": round(self.compile_seconds, 2),
+        }
+
+
+def _first_line(reason: str) -> str:
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    head = lines[0] if lines else reason
+    context = next((line for line in lines if line.startswith("Developer debug context:")), "")
+    return f"{head} ({context.removeprefix('Developer debug context:').strip()[:160]})" if context else head

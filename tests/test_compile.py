@@ -1,0 +1,215 @@
+"""trainer.compile=true: compiled runs end where eager runs end, lowmem adds no graph break to a model
+that compiles whole, and the measured peak of a compiled step is what the allocator saw
+(``lowmem.techniques.compilation``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import lowmem
+from lowmem.config import ConfigError
+from lowmem.profiler.peak import measure_peak
+from lowmem.trainer import build_trainer
+from tests.helpers import SMALL_DC, TINY_WRN, make_config
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiler():
+    """Each test compiles its own models: graphs of an earlier test's identical model are not reused."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _steps(overrides: tuple[str, ...], steps: int = 3) -> tuple[dict[str, torch.Tensor], object]:
+    trainer = build_trainer(make_config("trainer.device=cpu", "precision=fp64", *overrides))
+    batches = iter(trainer.data.train.epoch(0))
+    for _ in range(steps):
+        trainer.train_step(next(batches))
+    return {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()}, trainer
+
+
+def _relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(
+        ((a[k].double() - b[k].double()).abs().max() / a[k].double().abs().max().clamp(min=1)).item()
+        for k in a if a[k].is_floating_point() and a[k].numel()
+    )
+
+
+WRN_TECHNIQUES = {
+    "plain": (),
+    "compact sparse": ("sparsity.density=0.3",),
+    "true microbatches": ("microbatch.size=5", "microbatch.mode=true"),
+    "simulated microbatches": ("microbatch.size=5", "microbatch.mode=simulated"),
+    "no_bn": ("checkpointing.strategy=no_bn",),
+    "residual": ("checkpointing.strategy=residual",),
+    "residual_star": ("checkpointing.strategy=residual_star",),
+    "optimal": ("checkpointing.strategy=optimal", "checkpointing.budget_mb=15"),
+    "compressed activations": ("checkpointing.strategy=residual", "checkpointing.compress=8"),
+    "8-bit state": ("optim.state_bits=8", "precision=fp32"),  # FP32: 8-bit state is for 32- and 16-bit weights
+}
+TOLERANCE = {"8-bit state": 1e-5}
+
+
+@pytest.mark.parametrize("technique", list(WRN_TECHNIQUES))
+def test_each_technique_compiled_ends_where_eager_ends(technique):
+    """FP64 WRN-10-1, 3 steps, graphs captured and run through AOTAutograd (``aot_eager``: what
+    lowmem changes under the compiler; inductor's kernels are the full combination's test)."""
+    overrides = (*TINY_WRN, *WRN_TECHNIQUES[technique])
+    eager, _ = _steps(overrides)
+    compiled, trainer = _steps((*overrides, "trainer.compile=true", "trainer.compile_backend=aot_eager"))
+    assert _relative_difference(eager, compiled) <= TOLERANCE.get(technique, 1e-9)
+    assert trainer.compiled.graphs >= 1
+
+
+def test_the_full_combination_compiled_by_inductor_ends_where_eager_ends():
+    """Compact sparse, true microbatches, residual_star, FP64: inductor's kernels, and the
+    recomputation's self-check never fires (blocks recompute eagerly, as they ran)."""
+    overrides = (*TINY_WRN, "sparsity.density=0.3", "microbatch.size=5", "microbatch.mode=true",
+                 "checkpointing.strategy=residual_star")
+    eager, _ = _steps(overrides)
+    compiled, trainer = _steps((*overrides, "trainer.compile=true"))
+    assert _relative_difference(eager, compiled) <= 1e-9
+    # One break per checkpointed stack (3) and none else: the stem and head are dense here.
+    assert trainer.compiled.graph_breaks == 3
+    assert set(trainer.compiled.reasons) == {r for r in trainer.compiled.reasons if "torch.compiler.disable" in r}
+
+
+def test_dynamicconv_compiled_ends_where_eager_ends():
+    overrides = (*SMALL_DC, "loss.chunk_tokens=none", "checkpointing.strategy=residual")
+    eager, _ = _steps(overrides, steps=2)
+    compiled, _ = _steps((*overrides, "trainer.compile=true", "trainer.compile_backend=aot_eager"), steps=2)
+    assert _relative_difference(eager, compiled) <= 1e-9
+
+
+def _gpt2(dropout: float = 0.1) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=100, n_positions=32,
+                                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                     loss_type="ForCausalLM")
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _lm_loss(model, batch):
+    return model(input_ids=batch, labels=batch).loss
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "residual"])
+def test_gpt2_with_dropout_compiled_ends_where_eager_ends(checkpointing):
+    """Dropout draws the eager run's masks when compiled (inductor's fallback_random), and a
+    checkpointed block's recomputation replays them."""
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(1))
+    base = _gpt2().double()
+    ends = []
+    for compile_ in ("false", "true"):
+        torch.manual_seed(2)
+        overrides = ["precision=fp64", f"checkpointing.strategy={checkpointing}", f"trainer.compile={compile_}"]
+        run = lowmem.prepare(copy.deepcopy(base), _lm_loss, ids, overrides)
+        losses = [run.step(ids)["loss"] for _ in range(3)]
+        ends.append(({k: v.detach().clone() for k, v in run.model.state_dict().items()}, losses))
+    assert _relative_difference(ends[0][0], ends[1][0]) <= 1e-9
+    assert ends[0][1] == pytest.approx(ends[1][1], rel=1e-6)  # the step's loss is recorded in FP32
+
+
+def _breaks(model: nn.Module, loss, batch, overrides: list[str]) -> int:
+    torch._dynamo.reset()
+    run = lowmem.prepare(model, loss, batch, ["trainer.compile=true", "trainer.compile_backend=eager", *overrides])
+    run.step(batch)
+    return run.trainer.compiled.graph_breaks
+
+
+def _plain_breaks(model: nn.Module, loss, batch) -> int:
+    """The graph breaks of ``torch.compile`` of the model alone (dynamo's count, as lowmem's)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    loss(compiled, batch).backward()
+    return sum(counters["graph_break"].values())
+
+
+def _classify(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def test_graph_breaks_resnet18_and_gpt2():
+    """lowmem adds no break to a model that compiles whole; each checkpointed block is a stated few
+    (the block call, and the model's loop around it that then runs as frames of its own)."""
+    torchvision = pytest.importorskip("torchvision")
+    images = (torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)))
+    resnet = torchvision.models.resnet18(num_classes=10)
+    assert _plain_breaks(copy.deepcopy(resnet), _classify, images) == 0
+    assert _breaks(copy.deepcopy(resnet), _classify, images, []) == 0
+    assert _breaks(copy.deepcopy(resnet), _classify, images, ["sparsity.density=0.5"]) <= 2 * 19  # 19 compact layers
+    assert 1 <= _breaks(copy.deepcopy(resnet), _classify, images, ["checkpointing.strategy=residual"]) <= 4 * 8
+    ids = torch.randint(0, 100, (4, 16))
+    gpt2 = _gpt2(0.0)
+    plain = _plain_breaks(copy.deepcopy(gpt2), _lm_loss, ids)
+    assert _breaks(copy.deepcopy(gpt2), _lm_loss, ids, []) == plain
+    assert 1 <= _breaks(copy.deepcopy(gpt2), _lm_loss, ids, ["checkpointing.strategy=residual"]) <= plain + 4 * 3
+
+
+def test_graph_breaks_wrn28_and_dynamicconv_in_the_profile():
+    wrn = (*TINY_WRN, "model.depth=28", "model.width=2", "trainer.device=cpu", "trainer.compile=true",
+           "trainer.compile_backend=eager")
+    for overrides, expected in (((), 0), (("checkpointing.strategy=residual", "checkpointing.every=2"), 3)):
+        torch._dynamo.reset()
+        trainer = build_trainer(make_config(*wrn, *overrides))
+        trainer.train_step(trainer.example_batch())
+        assert trainer.compiled.graph_breaks == expected, trainer.compiled.reasons
+    torch._dynamo.reset()
+    dc = build_trainer(make_config(*SMALL_DC, "trainer.device=cpu", "trainer.compile=true",
+                                   "trainer.compile_backend=eager"))
+    dc.train_step(dc.example_batch())
+    assert dc.compiled.graph_breaks == 0, dc.compiled.reasons  # loss.chunk_tokens=auto is off when compiled
+
+
+def test_the_measured_peak_of_a_compiled_step_agrees_with_the_profiler_memory_timeline():
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    batch = (torch.randn(256, 64), torch.randint(0, 10, (256,)))
+    fresh = copy.deepcopy(model)
+    run = lowmem.prepare(model, _classify, batch, ["trainer.compile=true"])
+    run.step(batch)  # compiles; the optimizer state exists from here on
+    trainer = run.trainer
+    peak = measure_peak(lambda: trainer.train_step(batch), trainer.unwrapped_model, trainer.optimizer,
+                        data=list(batch), owners=(trainer, batch))
+    assert peak.source == "cpu allocator events"
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        trainer.train_step(batch)
+    times, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    totals = [sum(s) for s in sizes]
+    assert abs(peak.peak_bytes - max(totals)) <= 0.05 * max(totals), (peak.peak_bytes, max(totals))
+    # The same step measured eagerly (lowmem's tensor tracker): the compiled one holds no more.
+    eager = lowmem.prepare(fresh, _classify, batch).profile(measure=True)["peak_bytes"]
+    assert peak.peak_bytes < eager * 1.05
+
+
+def test_a_model_compiled_before_prepare_is_compiled_with_the_techniques():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    keys = set(model.state_dict())
+    batch = (torch.randn(4, 8), torch.randint(0, 2, (4,)))
+    run = lowmem.prepare(torch.compile(model, backend="eager"), _classify, batch)
+    assert run.model is model and run.config.trainer.compile and set(run.model.state_dict()) == keys
+    run.step(batch)
+    assert run.trainer.compiled.graphs >= 1
+
+
+def test_a_chunked_loss_of_a_number_of_tokens_is_refused_when_compiled():
+    ids = torch.randint(0, 100, (2, 16))
+    with pytest.raises(ConfigError, match=r"loss.chunk_tokens=64 is not allowed with trainer.compile=true"):
+        lowmem.prepare(_gpt2(0.0), _lm_loss, ids, ["trainer.compile=true", "loss.chunk_tokens=64"])
+    with pytest.raises(ConfigError, match="trainer.compile_backend='tvm'"):
+        lowmem.prepare(_gpt2(0.0), _lm_loss, ids, ["trainer.compile=true", "trainer.compile_backend=tvm"])
