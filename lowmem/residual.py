@@ -26,6 +26,12 @@ BlockExecutor = Callable[[Sequence[nn.Module], torch.Tensor, tuple], torch.Tenso
 NormReluConv = Callable[[nn.Module, nn.Module, torch.Tensor], torch.Tensor]
 
 
+# A block of a checkpointed segment that runs compiled (``lowmem.techniques.compilation``; the value is
+# the compiler's backend): its norm-ReLU-conv triples are plain, compiled or not, so that its eager
+# and compiled runs compute alike and the compiler's partitioner does what ``no_bn`` would.
+COMPILED_BLOCK = "_lowmem_compiled_block"
+
+
 def run_sequentially(blocks: Sequence[nn.Module], x: torch.Tensor, context: tuple) -> torch.Tensor:
     """The plain executor: every block in order, every activation kept by autograd."""
     for block in blocks:
@@ -84,7 +90,7 @@ def norm_relu_conv(block: nn.Module, norm: nn.Module, conv: nn.Module, x: torch.
     """``conv(relu(norm(x)))`` computed the way checkpointing chose for ``block`` (plain by default).
     Compiled code computes it plainly: the compiler's partitioner recomputes the norm and the ReLU in
     backward instead of saving their outputs, as ``no_bn`` does eagerly."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or COMPILED_BLOCK in block.__dict__:
         return plain_norm_relu_conv(norm, conv, x)
     compute = getattr(block, "_norm_relu_conv", plain_norm_relu_conv)
     return compute(norm, conv, x)

@@ -89,6 +89,15 @@ def test_dynamicconv_compiled_ends_where_eager_ends():
     assert _relative_difference(eager, compiled) <= 1e-9
 
 
+def test_dynamicconv_compact_sparse_compiles_without_a_break_and_ends_where_eager_ends():
+    """Compact linear layers, the bare output weight and the embeddings are operators of the graph."""
+    overrides = (*SMALL_DC, "sparsity.density=0.3", "loss.chunk_tokens=none")
+    eager, _ = _steps(overrides, steps=2)
+    compiled, trainer = _steps((*overrides, "trainer.compile=true", "trainer.compile_backend=aot_eager"), steps=2)
+    assert _relative_difference(eager, compiled) <= 1e-9
+    assert trainer.compiled.graph_breaks == 0, trainer.compiled.reasons
+
+
 def _gpt2(dropout: float = 0.1) -> nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=100, n_positions=32,
@@ -101,7 +110,7 @@ def _lm_loss(model, batch):
     return model(input_ids=batch, labels=batch).loss
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "residual"])
+@pytest.mark.parametrize("checkpointing", ["none", "residual", "residual sparse"])
 def test_gpt2_with_dropout_compiled_ends_where_eager_ends(checkpointing):
     """Dropout draws the eager run's masks when compiled (inductor's fallback_random), and a
     checkpointed block's recomputation replays them."""
@@ -110,7 +119,9 @@ def test_gpt2_with_dropout_compiled_ends_where_eager_ends(checkpointing):
     ends = []
     for compile_ in ("false", "true"):
         torch.manual_seed(2)
-        overrides = ["precision=fp64", f"checkpointing.strategy={checkpointing}", f"trainer.compile={compile_}"]
+        strategy, *sparse = checkpointing.split()
+        overrides = ["precision=fp64", f"checkpointing.strategy={strategy}", f"trainer.compile={compile_}",
+                     *(["sparsity.density=0.5"] if sparse else [])]
         run = lowmem.prepare(copy.deepcopy(base), _lm_loss, ids, overrides)
         losses = [run.step(ids)["loss"] for _ in range(3)]
         ends.append(({k: v.detach().clone() for k, v in run.model.state_dict().items()}, losses))
@@ -213,3 +224,27 @@ def test_a_chunked_loss_of_a_number_of_tokens_is_refused_when_compiled():
         lowmem.prepare(_gpt2(0.0), _lm_loss, ids, ["trainer.compile=true", "loss.chunk_tokens=64"])
     with pytest.raises(ConfigError, match="trainer.compile_backend='tvm'"):
         lowmem.prepare(_gpt2(0.0), _lm_loss, ids, ["trainer.compile=true", "trainer.compile_backend=tvm"])
+
+
+def test_a_hooked_feature_of_a_compiled_checkpointed_block_keeps_its_gradient_every_step():
+    """A block that lets a tensor out by a forward hook stays eager and watched when compiled: the
+    feature loss's gradient reaches its weights at every step, as plain PyTorch's does."""
+    from tests.test_checkpointing_real_models import SGD
+    from tests.test_side_outputs import batch, hooked_mlps, llama
+
+    torch.manual_seed(0)
+    model = llama().double()
+    reference, checkpointed = copy.deepcopy(model), copy.deepcopy(model)
+    data = batch()
+    loss = hooked_mlps(reference)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss(reference, data).backward()
+        optimizer.step()
+    loss = hooked_mlps(checkpointed)
+    run = lowmem.prepare(checkpointed, loss, data, [*SGD, "checkpointing.strategy=residual", "trainer.compile=true",
+                                                    "trainer.compile_backend=aot_eager"])
+    for _ in range(3):
+        run.step(data)
+    assert _relative_difference(reference.state_dict(), run.model.state_dict()) <= 1e-9

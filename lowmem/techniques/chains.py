@@ -78,7 +78,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lowmem.residual import residual_stacks
 from lowmem.techniques.block_checks import OutputFingerprint, argument_state, has_values
 from lowmem.techniques.compact_shards import gathered_for
-from lowmem.techniques.compilation import outside_compiler
+from lowmem.techniques.compilation import checked_key, compiled_call, outside_compiler
 from lowmem.techniques.compression import compressed_saves, stored_saves
 from lowmem.techniques.norm_routing import route_norm_relu_conv, routed_forward
 from lowmem.techniques.recomputation import (
@@ -370,6 +370,7 @@ class _ChainedForward:
         self.runner, self.index, self.own = runner, index, own
         self.arguments_checked: set[tuple] = set()
         self.recomputation_checked: set[tuple] = set()
+        self.side_checked: set[tuple] = set()  # trainer.compile: inputs it may run compiled on (_BlockCall)
         self.first_parameter = _first_parameter(own if own is not None else type(runner.blocks[index]).forward,
                                                 bound=own is not None)
 
@@ -514,6 +515,7 @@ class ChainRunner:
         )
         runtime = last.runtime if chained else _Runtime(segment.backprop)
         call = _BlockCall(forward, len(runtime.calls), args[1:], kwargs, x)
+        call.compile_for(self.blocks[index], x)
         runtime.calls.append(call)
         params = [p for p in self.blocks[index].parameters() if p.requires_grad]
         context = _BlockCall.tensors(args[1:], kwargs)
@@ -552,6 +554,22 @@ class _BlockCall:
         self.side_layout: list[tuple[tuple[int, ...], torch.dtype]] = []
         # Recomputation must give the forward's bits where kernels are deterministic.
         self.bitwise = x.device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
+        # trainer.compile: the block's compiled runner where this call runs it compiled (its input
+        # was watched eagerly before and let no side output out), else None; ``checked``: the key a
+        # watched eager forward without side outputs establishes (lowmem.techniques.compilation).
+        self.compiled: Callable | None = None
+        self.checked: tuple | None = None
+
+    def compile_for(self, block: nn.Module, x: torch.Tensor) -> None:
+        """Decide whether this call runs ``block`` compiled (``trainer.compile``): not a block with a
+        forward of its own instance (``forward.own``), and only once a watched eager forward on such
+        an input (and such other arguments) found no side output."""
+        runner = compiled_call(block, "forward") if self.forward.own is None else None
+        if runner is None:
+            return
+        self.checked = (*checked_key([block], x), str(self.spec), tuple(map(repr, self.skeleton)))
+        if self.checked in self.forward.side_checked:
+            self.compiled = runner
 
     @staticmethod
     def tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -566,6 +584,8 @@ class _BlockCall:
 
     def run(self, x: torch.Tensor, context: Sequence[torch.Tensor]) -> Any:
         args, kwargs = self.arguments(context)
+        if self.compiled is not None:
+            return self.compiled(self.block(), x, *args, **kwargs)
         return self.forward.plain(x, *args, **kwargs)
 
     def run_watched(self, run: Callable, x: torch.Tensor, context: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -773,7 +793,12 @@ class _ChainedBlock(torch.autograd.Function):
         versions = [t._version for t in (x, *context)]
         check_arguments = call.shape not in call.forward.arguments_checked
         run = _run_checking_arguments if check_arguments else _BlockCall.run
-        output = call.run_watched(run, x, context)
+        if call.compiled is not None:  # watched before on such an input: no side output
+            output = call.output_tensors(call.run(x, context))
+        else:
+            output = call.run_watched(run, x, context)
+            if call.checked is not None and not call.side_indices:
+                call.forward.side_checked.add(call.checked)
         if [t._version for t in (x, *context)] != versions:
             raise ValueError(
                 f"checkpointing: block {call.name()} ({type(call.block()).__name__}) changes its input in place, "

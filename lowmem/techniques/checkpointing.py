@@ -60,6 +60,7 @@ from torch import nn
 from lowmem import kernels
 from lowmem.kernels import cpu as cpu_kernels
 from lowmem.residual import (
+    COMPILED_BLOCK,
     plain_norm_relu_conv,
     relu_of_norm,
     residual_stacks,
@@ -70,7 +71,7 @@ from lowmem.residual import (
 )
 from lowmem.techniques.chains import find_block_chains, install_chains, installed_runners, route_blocks
 from lowmem.techniques.compact import conv2d_backward, dense_weight, index_of, trained_weight
-from lowmem.techniques.compilation import outside_compiler
+from lowmem.techniques.compilation import checked_key, compiled_call, outside_compiler
 from lowmem.techniques.compression import compressed_saves, stored_saves
 from lowmem.techniques.recomputation import (
     BACKPROPS,
@@ -91,6 +92,7 @@ from lowmem.techniques.side_outputs import (
 )
 
 STRATEGIES = ("none", "no_bn", "residual", "residual_star")  # the fixed patterns (`optimal`: lowmem.planning)
+_CHECKED = "_lowmem_checked_inputs"  # on a segment's first block: inputs its compiled blocks may run on
 _FP32_SLICE = 1 << 15  # elements of a 16-bit tensor widened to FP32 at a time when BN is recomputed
 
 
@@ -306,6 +308,19 @@ class _CheckpointedSegment(torch.autograd.Function):
         # has run (a block output stored elsewhere, not only passed on, is one too) and returned
         # after x: per block, its op indices and layout, for the recomputation to find it again.
         ctx.set_materialize_grads(False)  # a side output nobody used has no gradient
+        # trainer.compile: the blocks run compiled, unwatched, once a watched eager forward found no
+        # side output for this input (lowmem.techniques.compilation); the recomputation runs as the
+        # forward ran, so that its self-check compares like with like.
+        compiled = compiled_call(segment[0]) if all(COMPILED_BLOCK in b.__dict__ for b in segment) else None
+        key = checked_key(segment, x) if compiled is not None else None
+        checked = segment[0].__dict__.setdefault(_CHECKED, set()) if compiled is not None else set()
+        ctx.compiled = compiled if key in checked else None
+        if ctx.compiled is not None:
+            for block in segment:
+                x = ctx.compiled(block, x, *context)
+            ctx.triples, ctx.statistics = [0] * len(segment), [[] for _ in segment]
+            ctx.side = [([], []) for _ in segment]
+            return (x,)
         watches, marked = [], {}
         for block in segment:
             watch = ForwardWatch(marked)  # each block reads what the one before it made
@@ -325,6 +340,8 @@ class _CheckpointedSegment(torch.autograd.Function):
                 ) from None
             ctx.side.append(([index for index, _ in side], [(tuple(t.shape), t.dtype) for _, t in side]))
             side_tensors.extend(t for _, t in side)
+        if compiled is not None and not side_tensors:
+            checked.add(key)
         return (x, *side_tensors)
 
     @staticmethod
@@ -361,6 +378,7 @@ class _SegmentBackprop:
         self, ctx, context: tuple, context_leaves: Sequence[torch.Tensor], needed: list[bool], side_grads: Sequence
     ) -> None:
         self.blocks, self.rng, self.triples, self.statistics = ctx.segment, ctx.rng, ctx.triples, ctx.statistics
+        self.compiled = ctx.compiled  # the blocks' compiled runner, where forward ran them compiled
         # Per block: its side outputs' op indices and layouts, and the gradients they received.
         grads = iter(side_grads)
         self.side = [(indices, layout, [next(grads) for _ in indices]) for indices, layout in ctx.side]
@@ -408,7 +426,7 @@ class _SegmentBackprop:
                 rng_states.append(_RngState(x.device))
                 if index + 1 < len(self.blocks):
                     with torch.no_grad(), _NormReluConvCalls(statistics=self.statistics[index], replay=True):
-                        x = block(x, *self.context)
+                        x = self._run(block, x)
                     leaf, alias = _recomputation_input(x, requires_grad=x_leaf.requires_grad)
                     inputs.append((leaf, alias, _hold(leaf)))
         del x
@@ -417,7 +435,7 @@ class _SegmentBackprop:
             block = self.blocks[index]
             # The last convolution's output is not computed when only the block output reads it
             # (not when a side output may).
-            skip = _branch_ends_with_norm_relu_conv(block) and not self.side[index][0]
+            skip = _branch_ends_with_norm_relu_conv(block) and not self.side[index][0] and self.triples[index] > 0
             skipped = self.triples[index] - 1 if skip else None
             replayed = _NormReluConvCalls(skip=skipped, statistics=self.statistics[index], replay=True)
             with rng_states.pop().replayed(), torch.enable_grad(), replayed:
@@ -434,7 +452,7 @@ class _SegmentBackprop:
         indices, layout, _ = self.side[index]
         block = self.blocks[index]
         if not indices:
-            return block(x, *self.context), []
+            return self._run(block, x), []
         with RecomputeCollect(indices) as collect:
             output = block(x, *self.context)
         try:
@@ -445,6 +463,12 @@ class _SegmentBackprop:
                 f"({mismatch}); use checkpointing.strategy=none for this model"
             ) from None
         return output, [torch.autograd.graph.get_gradient_edge(t) if t.requires_grad else None for t in side]
+
+    def _run(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``block`` on ``x`` as the segment's forward ran it: compiled, or eagerly."""
+        if self.compiled is not None:
+            return self.compiled(block, x, *self.context)
+        return block(x, *self.context)
 
     def _backprop_block(
         self, index: int, edges: tuple, block_input: torch.Tensor, grad: torch.Tensor

@@ -293,14 +293,29 @@ def conv_backward(
     than those bytes are worth (its operands converted again under ``precision.cpu_compute=fp32``,
     its kernel set up again: docs/techniques.md gives the measured difference)."""
     args = (conv.stride, conv.padding, conv.dilation, False, [0] * len(conv.stride), conv.groups)
-    x = _dtype_for(grad_output, x)
-    need_x, need_weight, need_bias = wanted
     if not is_compact(conv, "weight"):
         weight = _dtype_for(grad_output, trained)
+        x = _dtype_for(grad_output, x)
         return torch.ops.aten.convolution_backward(grad_output, x, weight, bias_shape, *args, list(wanted))
-    grad_x = grad_values = grad_bias = None
-    shape = conv.compact_shape("weight")
     index = index if index is not None else _index(conv, "weight")
+    return compact_conv_backward(grad_output, x, trained, index, conv.compact_shape("weight"), args, bias_shape, wanted)
+
+
+def compact_conv_backward(
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    trained: torch.Tensor,
+    index: tuple[torch.Tensor, torch.Tensor],
+    shape: Sequence[int],
+    args: tuple,
+    bias_shape: Sequence[int] | None,
+    wanted: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``conv_backward`` of a compact weight of dense ``shape``, its (values, index); ``args``:
+    ``aten.convolution_backward``'s (stride, padding, dilation, transposed, output padding, groups)."""
+    x = _dtype_for(grad_output, x)
+    need_x, need_weight, need_bias = wanted
+    grad_x = grad_values = grad_bias = None
     if need_x and need_weight and math.prod(shape) * 4 <= ONE_CALL_BYTES:
         weight = _dtype_for(grad_output, densify(trained, *index, shape))
         grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
@@ -325,14 +340,19 @@ def conv_backward(
 conv2d_backward = conv_backward  # the name the no_bn checkpointing strategy imports
 
 
+def compact_conv(x, values, columns, row_starts, bias, shape, stride, padding, dilation, groups) -> torch.Tensor:
+    """A convolution by a compact weight of dense ``shape`` (no autograd): built, used, dropped."""
+    weight = densify(values, columns, row_starts, shape)
+    return _own_tensor(_CONVOLUTIONS[len(stride)](x, weight, bias, stride, padding, dilation, groups))
+
+
 class _CompactConvolution(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, values, columns, row_starts, bias, conv):
         ctx.conv, ctx.bias_shape = conv, None if bias is None else bias.shape
         ctx.save_for_backward(x, values, columns, row_starts)
-        weight = densify(values, columns, row_starts, conv.compact_shape("weight"))
-        convolve = _CONVOLUTIONS[len(conv.stride)]
-        return _own_tensor(convolve(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups))
+        return compact_conv(x, values, columns, row_starts, bias, conv.compact_shape("weight"), conv.stride,
+                            conv.padding, conv.dilation, conv.groups)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -353,29 +373,43 @@ class _CompactLinear(torch.autograd.Function):
     def forward(ctx, x, values, columns, row_starts, bias, shape, transposed):
         ctx.shape, ctx.transposed = shape, transposed
         ctx.save_for_backward(x, values, columns, row_starts)
-        weight = densify(values, columns, row_starts, shape)
-        if not transposed:
-            return _own_tensor(F.linear(x, weight, bias))
-        x_2d = x.reshape(-1, x.shape[-1])
-        out = x_2d.mm(weight) if bias is None else torch.addmm(bias, x_2d, weight)
-        return _own_tensor(out.view(*x.shape[:-1], shape[1]))
+        return compact_linear(x, values, columns, row_starts, bias, shape, transposed)
 
     @staticmethod
     def backward(ctx, grad_output):
         x, values, columns, row_starts = ctx.saved_tensors
-        grad_x = grad_values = grad_bias = None
-        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-        if ctx.needs_input_grad[0]:
-            weight = _dtype_for(grad_output, densify(values, columns, row_starts, ctx.shape))
-            grad_x = grad_output.matmul(weight.t() if ctx.transposed else weight)
-            del weight
-        if ctx.needs_input_grad[1]:
-            x_2d = _dtype_for(grad_output, x).reshape(-1, x.shape[-1])
-            grad_weight = x_2d.t().mm(grad_2d) if ctx.transposed else grad_2d.t().mm(x_2d)
-            grad_values = gather(grad_weight, columns, row_starts, values.dtype)
-        if ctx.needs_input_grad[4]:
-            grad_bias = grad_2d.sum(0)
+        wanted = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4])
+        grad_x, grad_values, grad_bias = compact_linear_backward(
+            grad_output, x, values, columns, row_starts, ctx.shape, ctx.transposed, wanted
+        )
         return grad_x, grad_values, None, None, grad_bias, None, None
+
+
+def compact_linear(x, values, columns, row_starts, bias, shape, transposed) -> torch.Tensor:
+    """``_CompactLinear``'s product (no autograd)."""
+    weight = densify(values, columns, row_starts, shape)
+    if not transposed:
+        return _own_tensor(F.linear(x, weight, bias))
+    x_2d = x.reshape(-1, x.shape[-1])
+    out = x_2d.mm(weight) if bias is None else torch.addmm(bias, x_2d, weight)
+    return _own_tensor(out.view(*x.shape[:-1], shape[1]))
+
+
+def compact_linear_backward(grad_output, x, values, columns, row_starts, shape, transposed, wanted):
+    """``_CompactLinear``'s gradients of (x, values, bias) where ``wanted``, else None."""
+    grad_x = grad_values = grad_bias = None
+    grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+    if wanted[0]:
+        weight = _dtype_for(grad_output, densify(values, columns, row_starts, shape))
+        grad_x = grad_output.matmul(weight.t() if transposed else weight)
+        del weight
+    if wanted[1]:
+        x_2d = _dtype_for(grad_output, x).reshape(-1, x.shape[-1])
+        grad_weight = x_2d.t().mm(grad_2d) if transposed else grad_2d.t().mm(x_2d)
+        grad_values = gather(grad_weight, columns, row_starts, values.dtype)
+    if wanted[2]:
+        grad_bias = grad_2d.sum(0)
+    return grad_x, grad_values, grad_bias
 
 
 class _CompactEmbedding(torch.autograd.Function):
@@ -424,6 +458,9 @@ def linear(module: nn.Module, name: str, x: torch.Tensor, bias: torch.Tensor | N
     if not is_compact(module, name):
         return F.linear(x, getattr(module, name), bias)
     shape = module._compact_shapes[name]
+    if torch.compiler.is_compiling():  # one op of the graph (lowmem.techniques.compact_ops)
+        values = _values(module, name)
+        return torch.ops.lowmem.compact_linear(x, values, *_index(module, name), bias, list(shape), False)
     return _CompactLinear.apply(_untraced(x), _values(module, name), *_index(module, name), bias, shape, False)
 
 
@@ -503,6 +540,11 @@ class _CompactModule:
 
 class _CompactConvolutionModule(_CompactModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and not isinstance(self.padding, str):  # one op of the graph
+            return torch.ops.lowmem.compact_conv(
+                x, self.weight_values, *_index(self, "weight"), self.bias, list(self.compact_shape("weight")),
+                list(self.stride), list(self.padding), list(self.dilation), self.groups,
+            )
         return _CompactConvolution.apply(_untraced(x), self.weight_values, *_index(self, "weight"), self.bias, self)
 
 
@@ -521,11 +563,20 @@ class CompactConv3d(_CompactConvolutionModule, nn.Conv3d):
 class CompactLinear(_CompactModule, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.compact_shape("weight")
+        if torch.compiler.is_compiling():  # one op of the graph
+            return torch.ops.lowmem.compact_linear(x, self.weight_values, *_index(self, "weight"), self.bias,
+                                                   list(shape), False)
         return _CompactLinear.apply(_untraced(x), self.weight_values, *_index(self, "weight"), self.bias, shape, False)
 
 
 class CompactEmbedding(_CompactModule, nn.Embedding):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and COLUMNS_AGAIN not in self.__dict__:  # one op of the graph
+            padding_idx = -1 if self.padding_idx is None else self.padding_idx
+            return torch.ops.lowmem.compact_embedding(
+                tokens, self.weight_values, *_index(self, "weight"), list(self.compact_shape("weight")), padding_idx,
+                self.scale_grad_by_freq,
+            )
         return _CompactEmbedding.apply(_untraced(tokens), self.weight_values, *_index(self, "weight"), self)
 
 
@@ -535,6 +586,9 @@ class _CompactTransposedLinear(_CompactModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.compact_shape("weight")
+        if torch.compiler.is_compiling():  # one op of the graph
+            return torch.ops.lowmem.compact_linear(x, self.weight_values, *_index(self, "weight"), self.bias,
+                                                   list(shape), True)
         return _CompactLinear.apply(_untraced(x), self.weight_values, *_index(self, "weight"), self.bias, shape, True)
 
 
@@ -569,6 +623,16 @@ def _compact_class(module: nn.Module) -> type | None:
 def compact_layers(model: nn.Module) -> list[nn.Module]:
     """The modules of ``model`` that run a compact forward (layers, and modules of stacked matrices)."""
     return [m for m in model.modules() if isinstance(m, (_CompactModule, _CompactStackedModule))]
+
+
+def compiles_whole(layer: nn.Module) -> bool:
+    """Whether compiled code runs compact ``layer`` as one operator (``lowmem.techniques.compact_ops``):
+    convolutions padded by numbers, linear layers and transformers' ``Conv1D``."""
+    if isinstance(layer, _CompactConvolutionModule):
+        return not isinstance(layer.padding, str)
+    if isinstance(layer, CompactEmbedding):
+        return COLUMNS_AGAIN not in layer.__dict__
+    return isinstance(layer, (CompactLinear, _CompactTransposedLinear))
 
 
 def has_compact_forward(module: nn.Module) -> bool:

@@ -13,8 +13,9 @@ runs the call in Python, and starts a new graph after it: one *graph break* each
   watch the blocks for side outputs and fingerprint a block's first recomputation: Python the
   compiler cannot trace. The blocks in them run eagerly in forward and in the recomputation alike,
   so the recomputation repeats the forward's own code and its self-check compares like with like.
-- each compact sparse layer (``sparsity.storage=compact``): its weight is built from the compact
-  values in a C kernel on the CPU.
+- each compact sparse embedding or experts' module, and a compact convolution padded by name
+  (``padding="same"``). Compact convolutions and linear layers are one operator each in the graph
+  (``lowmem.techniques.compact_ops``): no break.
 
 A model without those compiles whole: lowmem adds no break. ``no_bn``'s BatchNorm-ReLU
 recomputation needs no code of lowmem's under the compiler: a compiled block's triple is the plain
@@ -36,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,7 +46,10 @@ import torch
 from torch import nn
 
 from lowmem.kernels import cpu as kernel_cache
-from lowmem.techniques.compact import compact_layers
+from lowmem.profiler.report import CHAINS_ATTRIBUTE
+from lowmem.residual import COMPILED_BLOCK, residual_stacks
+from lowmem.techniques.compact import compact_layers, compiles_whole
+from lowmem.techniques.shards import is_fsdp_module
 
 BACKENDS = ("inductor", "aot_eager", "eager")  # trainer.compile_backend
 _RECORD = "_lowmem_compile_record"  # the CompileRecord of a model compiled by apply_compile
@@ -90,6 +95,58 @@ def inductor_cache() -> str:
     return str(directory)
 
 
+# --- blocks of checkpointed segments -----------------------------------------------------------------
+
+
+def _call_module(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return block(*args, **kwargs)
+
+
+def _call_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return type(block).forward(block, *args, **kwargs)
+
+
+_RUNNERS: dict[tuple[str, str], Callable] = {}
+
+
+def compiled_call(block: nn.Module, how: str = "module") -> Callable | None:
+    """How a checkpointed segment runs ``block`` compiled: ``runner(block, *args)``, the block
+    called as a module (``how="module"``) or its class's ``forward`` (``"forward"``: a chained
+    block, whose instance ``forward`` is lowmem's runner); None where ``block`` is not marked
+    compiled (``mark_compiled_blocks``). One compiled function for all blocks: the compiler's
+    graphs are shared by blocks of one class and shapes (their parameters are graph inputs)."""
+    backend = block.__dict__.get(COMPILED_BLOCK)
+    if backend is None:
+        return None
+    key = (backend, how)
+    if key not in _RUNNERS:
+        function = _call_module if how == "module" else _call_forward
+        _RUNNERS[key] = torch.compile(function, backend=backend, dynamic=False)
+    return _RUNNERS[key]
+
+
+def mark_compiled_blocks(blocks: list[nn.Module], backend: str) -> None:
+    """Run ``blocks`` (of checkpointed segments) compiled, in forward and in the recomputation
+    alike, once a forward watched eagerly found no side outputs for their input (``checked_key``);
+    their norm-ReLU-conv triples plain (``lowmem.residual.COMPILED_BLOCK``)."""
+    for block in blocks:
+        block.__dict__[COMPILED_BLOCK] = backend
+
+
+def checked_key(blocks: list[nn.Module], x: torch.Tensor) -> tuple:
+    """What a watched eager forward of ``blocks`` on ``x`` established (no side outputs) holds for:
+    the input's shape, dtype and device, the autocast state, and the hooks that could collect a
+    tensor (every forward hook of the blocks' modules, and the global ones)."""
+    from torch.nn.modules import module as module_hooks
+
+    hooks = tuple(
+        (len(m._forward_hooks), len(m._forward_pre_hooks)) for block in blocks for m in block.modules()
+    )
+    global_hooks = (len(module_hooks._global_forward_hooks), len(module_hooks._global_forward_pre_hooks))
+    autocast = torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type)
+    return tuple(x.shape), x.dtype, x.device, autocast, hooks, global_hooks
+
+
 def apply_compile(model: nn.Module, backend: str = "inductor") -> CompileRecord:
     """Compile ``model``'s forward in place (``nn.Module.compile``) with ``backend``; returns the
     record the trainer fills as the model compiles (``compile_record``)."""
@@ -101,9 +158,20 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> CompileRecord:
         import torch._inductor.config as inductor_config
 
         inductor_config.fallback_random = True
-    # Compact sparse layers build their weights in C kernels: eager, one graph break each.
+    # The blocks of checkpointed stacks and chains run compiled inside lowmem's eager segments.
+    # More graphs than torch's default of 8 per function: a block class of each stack, with and
+    # without grad, every microbatch shape.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    torch._dynamo.config.accumulated_cache_size_limit = max(
+        torch._dynamo.config.accumulated_cache_size_limit, 4096
+    )
+    mark_compiled_blocks([b for b in checkpointed_blocks(model) if not is_fsdp_module(b)], backend)
+    # Compact sparse convolutions and linear layers are operators of the graph (compact_ops); the
+    # others (embeddings, stacked experts, a convolution padded by name) run eagerly: one break each.
+    from lowmem.techniques import compact_ops  # noqa: F401 - registers the operators
+
     for layer in compact_layers(model):
-        if not isinstance(layer.__dict__.get("forward"), _Eager):
+        if not compiles_whole(layer) and not isinstance(layer.__dict__.get("forward"), _Eager):
             layer.forward = outside_compiler(layer.forward)
     # A model the user compiled (nn.Module.compile) is compiled again with lowmem's settings.
     model._compiled_call_impl = None
@@ -111,6 +179,14 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> CompileRecord:
     record = CompileRecord(backend)
     object.__setattr__(model, _RECORD, record)  # a plain attribute: no module, parameter or key
     return record
+
+
+def checkpointed_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of ``model``'s residual stacks and of its installed chains of blocks."""
+    blocks = [block for stack in residual_stacks(model) for block in stack.residual_blocks]
+    for runner in getattr(model, CHAINS_ATTRIBUTE, None) or ():
+        blocks.extend(runner.blocks)
+    return blocks
 
 
 def compile_record(model: nn.Module) -> CompileRecord | None:
@@ -192,7 +268,9 @@ class CompileRecord:
 
 
 def _first_line(reason: str) -> str:
+    """A break's reason in one line: torch's first line and its debug context, without addresses."""
     lines = [line.strip() for line in reason.splitlines() if line.strip()]
     head = lines[0] if lines else reason
     context = next((line for line in lines if line.startswith("Developer debug context:")), "")
-    return f"{head} ({context.removeprefix('Developer debug context:').strip()[:160]})" if context else head
+    line = f"{head} ({context.removeprefix('Developer debug context:').strip()[:160]})" if context else head
+    return re.sub(r" at 0x[0-9a-f]+", "", line)

@@ -1,0 +1,207 @@
+"""Compact sparse layers as operators the compiler keeps whole (``trainer.compile=true``).
+
+A compact layer builds its dense weight from the compact values in a C kernel and drops it after
+use (``lowmem.techniques.compact``): code ``torch.compile`` cannot trace. Registered here as
+``torch.library`` custom operators, each layer is one opaque node of the compiled graph — no graph
+break — whose backward is another (``register_autograd``): they run the same functions as the
+eager layer's autograd node, so a compiled step computes the eager step's bits for these layers.
+
+- ``lowmem::compact_conv`` / ``lowmem::compact_conv_backward``: ``nn.Conv1d/2d/3d`` (numeric padding);
+- ``lowmem::compact_linear`` / ``lowmem::compact_linear_backward``: ``nn.Linear``, transformers'
+  ``Conv1D`` (``transposed``) and a bare weight (``compact.linear``);
+- ``lowmem::compact_embedding`` / ``lowmem::compact_embedding_backward``: ``nn.Embedding`` (not
+  under sharded training, whose embedding gathers its columns again for backward).
+
+Gradients a backward is not asked for come back as empty tensors (an operator returns tensors
+only) and are handed to autograd as None. Registered once, on import (``apply_compile``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lowmem.techniques.compact import (
+    compact_conv,
+    compact_conv_backward,
+    compact_linear,
+    compact_linear_backward,
+    densify,
+    gather,
+)
+
+_CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def _or_empty(tensor: Tensor | None, like: Tensor) -> Tensor:
+    return like.new_empty(0) if tensor is None else tensor
+
+
+def _none_if_unwanted(tensor: Tensor, wanted: bool) -> Tensor | None:
+    return tensor if wanted else None
+
+
+# --- convolution ------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("lowmem::compact_conv", mutates_args=())
+def conv_op(
+    x: Tensor, values: Tensor, columns: Tensor, row_starts: Tensor, bias: Tensor | None, shape: list[int],
+    stride: list[int], padding: list[int], dilation: list[int], groups: int,
+) -> Tensor:  # fmt: skip
+    out = compact_conv(x, values, columns, row_starts, bias, shape, stride, padding, dilation, groups)
+    return out.clone() if out._base is not None else out  # an operator's output is a tensor of its own
+
+
+@conv_op.register_fake
+def _(x, values, columns, row_starts, bias, shape, stride, padding, dilation, groups):
+    weight = values.new_empty(shape)
+    return _CONVOLUTIONS[len(stride)](x, weight, bias, stride, padding, dilation, groups)
+
+
+@torch.library.custom_op("lowmem::compact_conv_backward", mutates_args=())
+def conv_backward_op(
+    grad_output: Tensor, x: Tensor, values: Tensor, columns: Tensor, row_starts: Tensor, shape: list[int],
+    stride: list[int], padding: list[int], dilation: list[int], groups: int, bias_size: int, wanted: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    args = (stride, padding, dilation, False, [0] * len(stride), groups)
+    bias_shape = [bias_size] if bias_size >= 0 else None
+    wanted_bias = wanted[2] and bias_size >= 0
+    grad_x, grad_values, grad_bias = compact_conv_backward(
+        grad_output, x, values, (columns, row_starts), shape, args, bias_shape, (wanted[0], wanted[1], wanted_bias)
+    )
+    return _or_empty(grad_x, x), _or_empty(grad_values, values), _or_empty(grad_bias, values)
+
+
+@conv_backward_op.register_fake
+def _(grad_output, x, values, columns, row_starts, shape, stride, padding, dilation, groups, bias_size, wanted):
+    grad_x = torch.empty_like(x, dtype=grad_output.dtype) if wanted[0] else x.new_empty(0)
+    grad_values = torch.empty_like(values) if wanted[1] else values.new_empty(0)
+    grad_bias = grad_output.new_empty(bias_size) if wanted[2] and bias_size >= 0 else values.new_empty(0)
+    return grad_x, grad_values, grad_bias
+
+
+def _conv_setup(ctx, inputs, output) -> None:
+    x, values, columns, row_starts, bias, shape, stride, padding, dilation, groups = inputs
+    ctx.save_for_backward(x, values, columns, row_starts)
+    ctx.params = (shape, stride, padding, dilation, groups, -1 if bias is None else bias.shape[0])
+
+
+def _conv_backward(ctx, grad_output):
+    x, values, columns, row_starts = ctx.saved_tensors
+    shape, stride, padding, dilation, groups, bias_size = ctx.params
+    wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4]]
+    grad_x, grad_values, grad_bias = conv_backward_op(
+        grad_output, x, values, columns, row_starts, shape, stride, padding, dilation, groups, bias_size, wanted
+    )
+    return (_none_if_unwanted(grad_x, wanted[0]), _none_if_unwanted(grad_values, wanted[1]), None, None,
+            _none_if_unwanted(grad_bias, wanted[2] and bias_size >= 0), None, None, None, None, None)
+
+
+conv_op.register_autograd(_conv_backward, setup_context=_conv_setup)
+
+
+# --- linear -----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("lowmem::compact_linear", mutates_args=())
+def linear_op(
+    x: Tensor, values: Tensor, columns: Tensor, row_starts: Tensor, bias: Tensor | None, shape: list[int],
+    transposed: bool,
+) -> Tensor:  # fmt: skip
+    out = compact_linear(x, values, columns, row_starts, bias, shape, transposed)
+    return out.clone() if out._base is not None else out
+
+
+@linear_op.register_fake
+def _(x, values, columns, row_starts, bias, shape, transposed):
+    weight = values.new_empty(shape)
+    return torch.matmul(x, weight) if transposed else F.linear(x, weight)
+
+
+@torch.library.custom_op("lowmem::compact_linear_backward", mutates_args=())
+def linear_backward_op(
+    grad_output: Tensor, x: Tensor, values: Tensor, columns: Tensor, row_starts: Tensor, shape: list[int],
+    transposed: bool, wanted: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    grad_x, grad_values, grad_bias = compact_linear_backward(
+        grad_output, x, values, columns, row_starts, shape, transposed, tuple(wanted)
+    )
+    return _or_empty(grad_x, x), _or_empty(grad_values, values), _or_empty(grad_bias, values)
+
+
+@linear_backward_op.register_fake
+def _(grad_output, x, values, columns, row_starts, shape, transposed, wanted):
+    grad_x = x.new_empty(x.shape, dtype=grad_output.dtype) if wanted[0] else x.new_empty(0)
+    grad_values = torch.empty_like(values) if wanted[1] else values.new_empty(0)
+    grad_bias = grad_output.new_empty(grad_output.shape[-1]) if wanted[2] else values.new_empty(0)
+    return grad_x, grad_values, grad_bias
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    x, values, columns, row_starts, bias, shape, transposed = inputs
+    ctx.save_for_backward(x, values, columns, row_starts)
+    ctx.params = (shape, transposed, bias is not None)
+
+
+def _linear_backward(ctx, grad_output):
+    x, values, columns, row_starts = ctx.saved_tensors
+    shape, transposed, has_bias = ctx.params
+    wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4] and has_bias]
+    grad_x, grad_values, grad_bias = linear_backward_op(
+        grad_output, x, values, columns, row_starts, shape, transposed, wanted
+    )
+    return (_none_if_unwanted(grad_x, wanted[0]), _none_if_unwanted(grad_values, wanted[1]), None, None,
+            _none_if_unwanted(grad_bias, wanted[2]), None, None)
+
+
+linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+# --- embedding --------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("lowmem::compact_embedding", mutates_args=())
+def embedding_op(
+    tokens: Tensor, values: Tensor, columns: Tensor, row_starts: Tensor, shape: list[int], padding_idx: int,
+    scale_grad_by_freq: bool,
+) -> Tensor:  # fmt: skip
+    weight = densify(values, columns, row_starts, shape)
+    return torch.ops.aten.embedding(weight, tokens, padding_idx, scale_grad_by_freq, False)
+
+
+@embedding_op.register_fake
+def _(tokens, values, columns, row_starts, shape, padding_idx, scale_grad_by_freq):
+    return values.new_empty((*tokens.shape, shape[1]))
+
+
+@torch.library.custom_op("lowmem::compact_embedding_backward", mutates_args=())
+def embedding_backward_op(
+    grad_output: Tensor, tokens: Tensor, columns: Tensor, row_starts: Tensor, shape: list[int], padding_idx: int,
+    scale_grad_by_freq: bool, values_dtype: torch.dtype,
+) -> Tensor:  # fmt: skip
+    grad_weight = torch.ops.aten.embedding_dense_backward(
+        grad_output, tokens, shape[0], padding_idx, scale_grad_by_freq
+    )
+    return gather(grad_weight, columns, row_starts, values_dtype)
+
+
+@embedding_backward_op.register_fake
+def _(grad_output, tokens, columns, row_starts, shape, padding_idx, scale_grad_by_freq, values_dtype):
+    return torch.empty_like(columns, dtype=values_dtype)
+
+
+def _embedding_setup(ctx, inputs, output) -> None:
+    tokens, values, columns, row_starts, shape, padding_idx, scale_grad_by_freq = inputs
+    ctx.save_for_backward(tokens, columns, row_starts)
+    ctx.params = (shape, padding_idx, scale_grad_by_freq, values.dtype)
+
+
+def _embedding_backward(ctx, grad_output):
+    tokens, columns, row_starts = ctx.saved_tensors
+    grad_values = embedding_backward_op(grad_output, tokens, columns, row_starts, *ctx.params)
+    return None, grad_values, None, None, None, None, None
+
+
+embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup)

@@ -1,0 +1,210 @@
+"""``trainer.compile=true`` against plain PyTorch compiled: time per FLOP, side by side in one run.
+
+For each of the report's Table 3 rows 2-7 (WRN-28-2, batch 100, 16-bit weights, residual_star
+every 2, true microbatches; ``--tiny``: WRN-10-1, batch 20) and the full FP32 combination, lowmem's
+step eagerly and compiled, and plain PyTorch's (the same WRN, ``torch.optim.SGD``, gradients
+accumulated over the same microbatches, weights in the same precision) eagerly and compiled
+(``torch.compile``, inductor). Per row: the FLOPs (forward + backward + recomputation, as
+``lowmem.profile`` counts them), the median step time, time per FLOP as a ratio to plain PyTorch
+compiled at the same microbatch size and precision (a row's recomputation FLOPs are the price of its
+memory, not overhead), compiled against eager, the measured peak, the graph breaks and the compile
+time (first step less a steady one). Steps are timed round-robin (every configuration's step in
+turn, each round), so a machine that slows down moves every row alike.
+
+On a CPU, 16-bit rows use BF16 computed as ``precision.cpu_compute=auto`` chooses (plain PyTorch's
+BF16 ops run natively). ``ATEN_CPU_CAPABILITY=avx2`` restricts both eager kernels and inductor's
+code to AVX2.
+
+    .venv/bin/python scripts/bench_compile.py [--tiny] [--repeats 5] [--rows 2,3,4,5,6,7,full] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from lowmem.config import compose
+from lowmem.profiler import count_flops, measure_peak, profile_trainer
+from lowmem.profiler.peak import CompiledStepTracker
+from lowmem.run.files import save_bytes
+from lowmem.techniques.compilation import inductor_cache
+from lowmem.trainer import build_trainer
+from recipes.wrn_cifar.model import WideResNet
+
+BASE = ["+recipe=wrn_cifar", "data=fake", "trainer.progress=none", "trainer.device=cpu"]
+
+
+def rows(batch: int) -> dict[str, tuple[list[str], int, str]]:
+    """name -> (overrides, microbatch size, precision)."""
+    star = ["checkpointing.strategy=residual_star", "checkpointing.every=2", "microbatch.mode=true"]
+    small = max(1, batch // 10)
+    tiny = max(1, batch // 25)
+    return {
+        "2": ([*star, "precision=bf16", f"microbatch.size={batch}"], batch, "bf16"),
+        "3": ([*star, "precision=bf16", f"microbatch.size={small}"], small, "bf16"),
+        "4": ([*star, "precision=bf16", "sparsity.density=0.3", f"microbatch.size={small}"], small, "bf16"),
+        "5": ([*star, "precision=bf16", "sparsity.density=0.2", f"microbatch.size={small}"], small, "bf16"),
+        "6": ([*star, "precision=bf16", "sparsity.density=0.2", f"microbatch.size={tiny}"], tiny, "bf16"),
+        "7": ([*star, "precision=bf16", "sparsity.density=0.1", f"microbatch.size={tiny}"], tiny, "bf16"),
+        "full": ([*star, "precision=fp32", "sparsity.density=0.3", f"microbatch.size={small}"], small, "fp32"),
+    }
+
+
+def lowmem_step(overrides: list[str], compiled: bool) -> tuple[Callable[[], object], object, object]:
+    torch._dynamo.reset()  # its own graphs: graph breaks and compile time counted for it
+    trainer = build_trainer(compose(*BASE, *overrides, f"trainer.compile={str(compiled).lower()}"))
+    batch = trainer.example_batch()
+    return (lambda: trainer.train_step(batch)), trainer, batch
+
+
+def plain_step(depth: int, width: int, batch, micro: int, dtype: torch.dtype, compiled: bool):
+    """Plain PyTorch: the same WRN in ``dtype``, SGD with momentum, gradients accumulated over
+    microbatches of ``micro`` examples; ``compiled``: the model through ``torch.compile``."""
+    torch.manual_seed(0)
+    model = WideResNet(depth=depth, width=width, num_classes=10).to(dtype)
+    if compiled:
+        model.compile()
+    runner = model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = batch
+    x = x.to(dtype)
+    parts = [(x[i : i + micro], y[i : i + micro]) for i in range(0, len(x), micro)]
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for xs, ys in parts:
+            (F.cross_entropy(runner(xs).float(), ys) * (len(xs) / len(x))).backward()
+        optimizer.step()
+
+    return step, model
+
+
+def median_round_robin(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            started = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="WRN-10-1, batch 20 (minutes on a CPU)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rows", default="2,3,4,5,6,7,full")
+    parser.add_argument("--out", default=None, help="also write the table (markdown) here")
+    parser.add_argument("--cpu-compute", default="auto", help="precision.cpu_compute of the lowmem rows")
+    args = parser.parse_args()
+    inductor_cache()
+    depth, width, batch = (10, 1, 20) if args.tiny else (28, 2, 100)
+    size = [f"model.depth={depth}", f"model.width={width}", f"data.batch_size={batch}",
+            f"data.train_size={2 * batch}", "data.test_size=20"]
+    chosen = {k: v for k, v in rows(batch).items() if k in args.rows.split(",")}
+    steps: dict[str, Callable[[], object]] = {}
+    info: dict[str, dict] = {}
+    example = None
+    for name, (overrides, micro, precision) in chosen.items():
+        for compiled in (False, True):
+            key = f"lowmem {name} {'compiled' if compiled else 'eager'}"
+            step, trainer, batch_ = lowmem_step([*size, *overrides, f"precision.cpu_compute={args.cpu_compute}"],
+                                                compiled)
+            example = batch_
+            flops = profile_trainer(trainer, measure=False).flops
+            started = time.perf_counter()
+            step()  # compiles
+            first = time.perf_counter() - started
+            started = time.perf_counter()
+            step()
+            steady = time.perf_counter() - started
+            peak = measure_peak(step, trainer.unwrapped_model, trainer.optimizer, owners=(trainer,),
+                                arithmetic=trainer.arithmetic())
+            with trainer.arithmetic(), CompiledStepTracker("cpu", trainer.unwrapped_model, trainer.optimizer,
+                                                           owners=(trainer,)) as events:
+                step()  # the allocator's events, eager or compiled alike
+            summary = trainer.compile_summary()
+            info[key] = {"flops": flops, "peak": peak.peak_bytes, "events": events.peak_bytes, "micro": micro,
+                         "precision": precision,
+                         "breaks": summary["graph_breaks"], "compile_s": max(0.0, first - steady) if compiled else 0.0}
+            arithmetic = trainer.arithmetic()
+            steps[key] = (lambda s=step, a=arithmetic: _within(a, s))
+    plains = {(v[1], v[2]) for v in chosen.values()} | {(v[1], "fp32") for v in chosen.values()}
+    for micro, precision in sorted(plains):
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        for compiled in (False, True):
+            key = f"plain mb{micro} {precision} {'compiled' if compiled else 'eager'}"
+            step, model = plain_step(depth, width, example, micro, dtype, compiled)
+            started = time.perf_counter()
+            step()
+            first = time.perf_counter() - started
+            step()
+            with torch.compiler.set_stance("force_eager"):
+                flops = count_flops(step)
+            with CompiledStepTracker("cpu", model, None, owners=(model,)) as events:
+                step()
+            info[key] = {"flops": flops, "peak": None, "events": events.peak_bytes, "micro": micro,
+                         "precision": precision, "breaks": None, "compile_s": first if compiled else 0.0}
+            steps[key] = step
+    gc.collect()
+    medians = median_round_robin(steps, args.repeats)
+    lines = [
+        f"CPU: {cpu_name()} | ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(default)')} | "
+        f"lowmem precision.cpu_compute={args.cpu_compute} | torch {torch.__version__} | threads "
+        f"{torch.get_num_threads()} | {'WRN-10-1 batch 20' if args.tiny else 'WRN-28-2 batch 100'} | "
+        f"median of {args.repeats}",
+        "",
+        "| row | mb | precision | GFLOPs (plain) | lowmem eager s | lowmem compiled s | compiled / eager | "
+        "time/FLOP vs plain compiled, same precision | vs plain FP32 compiled | plain eager s | plain compiled s "
+        "| peak eager MB (tracker / allocator) | peak compiled MB (allocator) | plain compiled MB (allocator) "
+        "| breaks | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, (_, micro, precision) in chosen.items():
+        eager, compiled = info[f"lowmem {name} eager"], info[f"lowmem {name} compiled"]
+        plain_e, plain_c = (f"plain mb{micro} {precision} {kind}" for kind in ("eager", "compiled"))
+        plain32 = f"plain mb{micro} fp32 compiled"
+        t_e, t_c = medians[f"lowmem {name} eager"], medians[f"lowmem {name} compiled"]
+        per_flop = (t_c / compiled["flops"]) / (medians[plain_c] / info[plain_c]["flops"])
+        per_flop32 = (t_c / compiled["flops"]) / (medians[plain32] / info[plain32]["flops"])
+        lines.append(
+            f"| {name} | {micro} | {precision} | {compiled['flops'] / 1e9:.1f} ({info[plain_c]['flops'] / 1e9:.1f}) | "
+            f"{t_e:.3f} | {t_c:.3f} | {t_c / t_e:.2f}x | {per_flop:.2f}x | {per_flop32:.2f}x | "
+            f"{medians[plain_e]:.3f} | {medians[plain_c]:.3f} | "
+            f"{eager['peak'] / 1e6:.1f} / {eager['events'] / 1e6:.1f} | "
+            f"{compiled['events'] / 1e6:.1f} | {info[plain_c]['events'] / 1e6:.1f} | {compiled['breaks']} | "
+            f"{compiled['compile_s']:.1f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        save_bytes(text.encode(), args.out)
+
+
+def cpu_name() -> str:
+    """The CPU's model name and its AVX-512 flags (AVX2 where it has none)."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    wide = sorted(f for f in flags if f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2"))
+    return f"{name} ({', '.join(wide)})"
+
+
+def _within(context, step):
+    with context:
+        return step()
+
+
+if __name__ == "__main__":
+    main()
