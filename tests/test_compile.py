@@ -160,13 +160,15 @@ def test_graph_breaks_resnet18_and_gpt2():
     resnet = torchvision.models.resnet18(num_classes=10)
     assert _plain_breaks(copy.deepcopy(resnet), _classify, images) == 0
     assert _breaks(copy.deepcopy(resnet), _classify, images, []) == 0
-    assert _breaks(copy.deepcopy(resnet), _classify, images, ["sparsity.density=0.5"]) <= 2 * 19  # 19 compact layers
-    assert 1 <= _breaks(copy.deepcopy(resnet), _classify, images, ["checkpointing.strategy=residual"]) <= 4 * 8
+    assert _breaks(copy.deepcopy(resnet), _classify, images, ["sparsity.density=0.5"]) == 0  # compact layers: operators
+    # 8 checkpointed blocks, measured 20: the block call, and torchvision's Sequential looping over them
+    assert 8 <= _breaks(copy.deepcopy(resnet), _classify, images, ["checkpointing.strategy=residual"]) <= 3 * 8
     ids = torch.randint(0, 100, (4, 16))
     gpt2 = _gpt2(0.0)
     plain = _plain_breaks(copy.deepcopy(gpt2), _lm_loss, ids)
     assert _breaks(copy.deepcopy(gpt2), _lm_loss, ids, []) == plain
-    assert 1 <= _breaks(copy.deepcopy(gpt2), _lm_loss, ids, ["checkpointing.strategy=residual"]) <= plain + 4 * 3
+    # 3 checkpointed blocks, measured plain + 10 (lowmem's use_cache line once, 3 per block)
+    assert 3 <= _breaks(copy.deepcopy(gpt2), _lm_loss, ids, ["checkpointing.strategy=residual"]) - plain <= 3 * 3 + 1
 
 
 def test_graph_breaks_wrn28_and_dynamicconv_in_the_profile():
@@ -182,6 +184,11 @@ def test_graph_breaks_wrn28_and_dynamicconv_in_the_profile():
                                    "trainer.compile_backend=eager"))
     dc.train_step(dc.example_batch())
     assert dc.compiled.graph_breaks == 0, dc.compiled.reasons  # loss.chunk_tokens=auto is off when compiled
+    torch._dynamo.reset()
+    dc = build_trainer(make_config(*SMALL_DC, "trainer.device=cpu", "trainer.compile=true",
+                                   "trainer.compile_backend=eager", "checkpointing.strategy=residual"))
+    dc.train_step(dc.example_batch())
+    assert 5 <= dc.compiled.graph_breaks <= 2 * 5, dc.compiled.reasons  # 5 checkpointed layers, measured 8
 
 
 def test_the_measured_peak_of_a_compiled_step_agrees_with_the_profiler_memory_timeline():

@@ -164,3 +164,15 @@ def test_the_profiler_reports_per_rank_memory_under_torchrun(tmp_path):
     assert all(
         abs(row["activation_bytes"] * 2 - whole["activation_bytes"]) <= 0.01 * whole["activation_bytes"] for row in rows
     )
+
+
+def test_two_compiled_ranks_equal_one_eager_process(tmp_path):
+    """trainer.compile=true under DDP: each rank's compiled model (graphs captured and run through
+    AOTAutograd) ends where one eager process ends."""
+    compiled = ("trainer.max_steps=2", "trainer.compile=true", "trainer.compile_backend=aot_eager")
+    _launch(2, tmp_path / "ddp", *compiled)
+    ranks = [torch.load(tmp_path / "ddp" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    single = _single(tmp_path / "single", "trainer.max_steps=2")
+    for name, value in single["params"].items():
+        for rank in ranks:
+            torch.testing.assert_close(rank["params"][name], value.detach(), rtol=1e-9, atol=1e-10)
