@@ -54,7 +54,7 @@ from lowmem.schedules import learning_rate
 from lowmem.signals import Interrupted, StopOnSignal
 from lowmem.techniques.checkpointing import apply_checkpointing
 from lowmem.techniques.compact import compact_state_dict_keys, dense_copy, dense_state_dict
-from lowmem.techniques.compilation import CompileRecord, apply_compile, compile_record
+from lowmem.techniques.compilation import CompileRecord, apply_compile, compile_record, graphs_compiled
 from lowmem.techniques.compression import allowed_widths, apply_compression, compression_of, validate_compress
 from lowmem.techniques.convolutions import tune_convolutions
 from lowmem.techniques.cpu_compute import choices as cpu_compute_choices
@@ -251,20 +251,26 @@ class Trainer:
         """Compile what ``batch``'s step compiles without training on it: forward and backward of each
         of its distinct microbatch shapes, then the gradients, the running statistics and the RNG as
         they were (a measured step then measures the step, not the compiler). Nothing without
-        ``trainer.compile``, or once compiled."""
-        if self.compiled is None or self.compiled.compilations:
+        ``trainer.compile``; a pass over them when compiled."""
+        if self.compiled is None:
             return
-        seen: set[tuple] = set()
         grads = [p.grad for p in self.params]
         running = [b.clone() for b in self.running_buffers]
+        parts = {}
+        for part, weight in self.microbatches(batch):
+            parts.setdefault(tuple(tuple(t.shape) for t in tree_leaves(part) if isinstance(t, torch.Tensor)),
+                             (part, weight))
+        # Two passes, then until one compiles nothing (4 at most): checkpointed blocks run eagerly
+        # (watched) on a shape's first call and compiled from its second.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.arithmetic():
-            for part, weight in self.microbatches(batch):
-                shapes = tuple(tuple(t.shape) for t in tree_leaves(part) if isinstance(t, torch.Tensor))
-                if shapes not in seen:
-                    seen.add(shapes)
+            for done in range(4):
+                before = graphs_compiled()
+                for part, weight in parts.values():
                     self.model.train()
                     with self.compiled.watch():
                         self.eager_microbatches.forward_backward(self.unwrapped_model, part, weight)
+                if done >= 1 and graphs_compiled() == before:
+                    break
         for param, grad in zip(self.params, grads, strict=True):
             param.grad = grad
         if running:
@@ -854,16 +860,19 @@ class PeakTracker:
         """Measure a training step (``what="step"``) or an evaluation (``"evaluation"``)."""
         trainer = self.trainer
         # Compiled: the first step compiles (the allocator events would count the compiler's own
-        # tensors); the second is measured.
+        # tensors); the next step that compiles nothing is measured.
         first_compiled = what == "step" and trainer.compiled is not None and not self.compiled_steps
         if what == "step":
             self.compiled_steps += 1
         if self.device.type == "cuda" or what in self.measured or first_compiled:
             yield
             return
+        graphs = graphs_compiled()
         data = data_tensors(trainer, batch)
         with trainer.arithmetic(), track_peak(trainer.unwrapped_model, trainer.optimizer, self.device, data) as tracker:
             yield
+        if trainer.compiled is not None and graphs_compiled() != graphs:
+            return  # it compiled (a checkpointed block's first compiled run): the next one is measured
         self.measured[what] = tracker.peak_bytes
 
 

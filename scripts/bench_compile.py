@@ -12,8 +12,8 @@ time (first step less a steady one). Steps are timed round-robin (every configur
 turn, each round), so a machine that slows down moves every row alike.
 
 On a CPU, 16-bit rows use BF16 computed as ``precision.cpu_compute=auto`` chooses (plain PyTorch's
-BF16 ops run natively). ``ATEN_CPU_CAPABILITY=avx2`` restricts both eager kernels and inductor's
-code to AVX2.
+BF16 ops run natively). ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` restricts oneDNN's
+convolutions, torch's own kernels and inductor's code to AVX2 (the CPU line then names the setting).
 
     .venv/bin/python scripts/bench_compile.py [--tiny] [--repeats 5] [--rows 2,3,4,5,6,7,full] [--out FILE]
 """
@@ -157,7 +157,8 @@ def main() -> None:
     gc.collect()
     medians = median_round_robin(steps, args.repeats)
     lines = [
-        f"CPU: {cpu_name()} | ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(default)')} | "
+        f"CPU: {cpu_name()} | ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(default)')}, "
+        f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(default)')} | "
         f"lowmem precision.cpu_compute={args.cpu_compute} | torch {torch.__version__} | threads "
         f"{torch.get_num_threads()} | {'WRN-10-1 batch 20' if args.tiny else 'WRN-28-2 batch 100'} | "
         f"median of {args.repeats}",

@@ -255,3 +255,95 @@ def test_a_hooked_feature_of_a_compiled_checkpointed_block_keeps_its_gradient_ev
     for _ in range(3):
         run.step(data)
     assert _relative_difference(reference.state_dict(), run.model.state_dict()) <= 1e-9
+
+
+class _StoringBlock(nn.Module):
+    """A block that stores a feature on itself, which the loss reads: a side output."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        self.feat = h
+        return x + self.fc2(h)
+
+
+class _StoringNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.blocks = nn.Sequential(*[_StoringBlock(16) for _ in range(3)])
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)))
+
+
+def _feature_loss(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y) + sum(block.feat.pow(2).mean() for block in model.blocks)
+
+
+def test_a_block_watched_while_frozen_is_watched_again_once_trained():
+    """The watched eager forward's verdict (no side output needs a gradient) holds only while the
+    blocks are frozen: unfrozen, their stored features get their gradients, as without checkpointing."""
+    torch.manual_seed(0)
+    model = _StoringNet().double()
+    batch = (torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,)))
+    ends = []
+    for overrides in (["checkpointing.strategy=none"],
+                      ["checkpointing.strategy=residual", "checkpointing.blocks=[blocks]", "trainer.compile=true",
+                       "trainer.compile_backend=aot_eager"]):
+        run = lowmem.prepare(copy.deepcopy(model), _feature_loss, batch, ["precision=fp64", *overrides])
+        for name, param in run.model.named_parameters():  # step 1: the backbone frozen (a linear probe)
+            param.requires_grad_(name.startswith("head"))
+        run.step(batch)
+        for param in run.model.parameters():
+            param.requires_grad_(True)
+        for _ in range(2):
+            run.step(batch)
+        ends.append(run.model.state_dict())
+    assert _relative_difference(*ends) <= 1e-9
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_amp_with_compact_sparse_layers_compiled_ends_where_eager_ends(backend):
+    """Under autocast the compact operators get the operands autocast would give the eager layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    batch = (torch.randn(16, 32), torch.randint(0, 10, (16,)))
+    ends = []
+    for compile_ in ("false", "true"):
+        overrides = ["precision=amp", "sparsity.density=0.5", f"trainer.compile={compile_}",
+                     f"trainer.compile_backend={backend}"]
+        run = lowmem.prepare(copy.deepcopy(model), _classify, batch, overrides)
+        for _ in range(3):
+            run.step(batch)
+        ends.append(run.model.state_dict())
+    assert _relative_difference(*ends) <= 1e-6
+
+
+def test_a_profiled_compiled_step_with_checkpointed_blocks_measures_no_compilation(monkeypatch):
+    """Checkpointed blocks compile on their second call (the first is watched eagerly): the warm-up
+    runs until nothing compiles, so the profile's measured step compiles nothing."""
+    import lowmem.profiler.report as report
+    from lowmem.techniques.compilation import graphs_compiled
+
+    compiled_while_measured = []
+
+    def measured(*args, **kwargs):
+        before = graphs_compiled()
+        result = measure_peak(*args, **kwargs)
+        compiled_while_measured.append(graphs_compiled() - before)
+        return result
+
+    monkeypatch.setattr(report, "measure_peak", measured)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), *[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)],
+                          nn.Linear(64, 4))
+    batch = (torch.randn(32, 8), torch.randint(0, 4, (32,)))
+    run = lowmem.prepare(model, _classify, batch, ["checkpointing.strategy=residual", "trainer.compile=true"])
+    assert run.profile(measure=True)["peak_bytes"] > 0
+    assert compiled_while_measured == [0]
+    assert run.trainer.compiled.graphs >= 2  # the blocks' graphs, with and without grad

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import sys
 import time
 import types
@@ -291,7 +290,6 @@ class CompiledStepTracker(AllocationTracker):
     finalizers instead, timed on the profiler's clock (ns since the epoch)."""
 
     def __enter__(self) -> CompiledStepTracker:
-        os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # no profiler banners on stderr
         from torch.profiler import ProfilerActivity, profile
 
         self._deaths: list[tuple[int, int]] = []

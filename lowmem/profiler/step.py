@@ -85,7 +85,8 @@ ROW_FIELDS = {
     "its count.",
     "compile_backend": "`trainer.compile_backend`.",
     "compiled_graphs": "`trainer.compile=true`: graphs compiled (every microbatch shape's).",
-    "recompilations": "`trainer.compile=true`: compilations after the first (another microbatch shape).",
+    "recompilations": "`trainer.compile=true`: calls after the first that compiled something (another microbatch "
+    "shape, a checkpointed block's first compiled run, a rewiring's new sizes).",
     "compile_seconds": "`trainer.compile=true`: wall time of the calls that compiled (compilation and one run).",
     "torch": "torch's version.",
     "rank": "`python -m lowmem.profile` only: this process's rank (0 without torchrun).",

@@ -515,10 +515,10 @@ class ChainRunner:
         )
         runtime = last.runtime if chained else _Runtime(segment.backprop)
         call = _BlockCall(forward, len(runtime.calls), args[1:], kwargs, x)
-        call.compile_for(self.blocks[index], x)
+        context = _BlockCall.tensors(args[1:], kwargs)
+        call.compile_for(self.blocks[index], x, context)
         runtime.calls.append(call)
         params = [p for p in self.blocks[index].parameters() if p.requires_grad]
-        context = _BlockCall.tensors(args[1:], kwargs)
         with compressed_saves(None):  # recomputation starts from the exact input
             tensors = _ChainedBlock.apply(runtime, call, x, call.num_context, *context, *params)
         # After the block's own outputs come its side outputs (lowmem.techniques.side_outputs): the
@@ -560,14 +560,14 @@ class _BlockCall:
         self.compiled: Callable | None = None
         self.checked: tuple | None = None
 
-    def compile_for(self, block: nn.Module, x: torch.Tensor) -> None:
+    def compile_for(self, block: nn.Module, x: torch.Tensor, context: Sequence[torch.Tensor]) -> None:
         """Decide whether this call runs ``block`` compiled (``trainer.compile``): not a block with a
         forward of its own instance (``forward.own``), and only once a watched eager forward on such
         an input (and such other arguments) found no side output."""
         runner = compiled_call(block, "forward") if self.forward.own is None else None
         if runner is None:
             return
-        self.checked = (*checked_key([block], x), str(self.spec), tuple(map(repr, self.skeleton)))
+        self.checked = (*checked_key([block], x, tuple(context)), str(self.spec), tuple(map(repr, self.skeleton)))
         if self.checked in self.forward.side_checked:
             self.compiled = runner
 

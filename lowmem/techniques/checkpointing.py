@@ -312,7 +312,7 @@ class _CheckpointedSegment(torch.autograd.Function):
         # side output for this input (lowmem.techniques.compilation); the recomputation runs as the
         # forward ran, so that its self-check compares like with like.
         compiled = compiled_call(segment[0]) if all(COMPILED_BLOCK in b.__dict__ for b in segment) else None
-        key = checked_key(segment, x) if compiled is not None else None
+        key = checked_key(segment, x, context) if compiled is not None else None
         checked = segment[0].__dict__.setdefault(_CHECKED, set()) if compiled is not None else set()
         ctx.compiled = compiled if key in checked else None
         if ctx.compiled is not None:

@@ -459,7 +459,7 @@ def linear(module: nn.Module, name: str, x: torch.Tensor, bias: torch.Tensor | N
         return F.linear(x, getattr(module, name), bias)
     shape = module._compact_shapes[name]
     if torch.compiler.is_compiling():  # one op of the graph (lowmem.techniques.compact_ops)
-        values = _values(module, name)
+        x, values, bias = _autocast_operands(x, _values(module, name), bias)
         return torch.ops.lowmem.compact_linear(x, values, *_index(module, name), bias, list(shape), False)
     return _CompactLinear.apply(_untraced(x), _values(module, name), *_index(module, name), bias, shape, False)
 
@@ -538,11 +538,25 @@ class _CompactModule:
         return dense_weight(self, "weight")
 
 
+def _autocast_operands(
+    x: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A compiled compact layer's operands in autocast's dtype where autocast is on (``precision=amp``),
+    as the eager layer's convolution or product casts them (the operators run without autocast); the
+    casts' backward returns the values' gradient in their own dtype, as the eager layer's gather does."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, values, bias
+    dtype = torch.get_autocast_dtype(device)
+    return x.to(dtype), values.to(dtype), None if bias is None else bias.to(dtype)
+
+
 class _CompactConvolutionModule(_CompactModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and not isinstance(self.padding, str):  # one op of the graph
+        if torch.compiler.is_compiling():  # one op of the graph (lowmem.techniques.compact_ops)
+            x, values, bias = _autocast_operands(x, self.weight_values, self.bias)
             return torch.ops.lowmem.compact_conv(
-                x, self.weight_values, *_index(self, "weight"), self.bias, list(self.compact_shape("weight")),
+                x, values, *_index(self, "weight"), bias, list(self.compact_shape("weight")),
                 list(self.stride), list(self.padding), list(self.dilation), self.groups,
             )
         return _CompactConvolution.apply(_untraced(x), self.weight_values, *_index(self, "weight"), self.bias, self)
@@ -564,8 +578,8 @@ class CompactLinear(_CompactModule, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.compact_shape("weight")
         if torch.compiler.is_compiling():  # one op of the graph
-            return torch.ops.lowmem.compact_linear(x, self.weight_values, *_index(self, "weight"), self.bias,
-                                                   list(shape), False)
+            x, values, bias = _autocast_operands(x, self.weight_values, self.bias)
+            return torch.ops.lowmem.compact_linear(x, values, *_index(self, "weight"), bias, list(shape), False)
         return _CompactLinear.apply(_untraced(x), self.weight_values, *_index(self, "weight"), self.bias, shape, False)
 
 
@@ -587,8 +601,8 @@ class _CompactTransposedLinear(_CompactModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.compact_shape("weight")
         if torch.compiler.is_compiling():  # one op of the graph
-            return torch.ops.lowmem.compact_linear(x, self.weight_values, *_index(self, "weight"), self.bias,
-                                                   list(shape), True)
+            x, values, bias = _autocast_operands(x, self.weight_values, self.bias)
+            return torch.ops.lowmem.compact_linear(x, values, *_index(self, "weight"), bias, list(shape), True)
         return _CompactLinear.apply(_untraced(x), self.weight_values, *_index(self, "weight"), self.bias, shape, True)
 
 
@@ -627,9 +641,9 @@ def compact_layers(model: nn.Module) -> list[nn.Module]:
 
 def compiles_whole(layer: nn.Module) -> bool:
     """Whether compiled code runs compact ``layer`` as one operator (``lowmem.techniques.compact_ops``):
-    convolutions padded by numbers, linear layers and transformers' ``Conv1D``."""
+    convolutions, linear layers, transformers' ``Conv1D`` and embeddings (not under sharded training)."""
     if isinstance(layer, _CompactConvolutionModule):
-        return not isinstance(layer.padding, str)
+        return True  # padded by numbers (check_compactable refuses a padding by name)
     if isinstance(layer, CompactEmbedding):
         return COLUMNS_AGAIN not in layer.__dict__
     return isinstance(layer, (CompactLinear, _CompactTransposedLinear))

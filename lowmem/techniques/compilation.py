@@ -11,10 +11,12 @@ runs the call in Python, and starts a new graph after it: one *graph break* each
 - each checkpointed residual stack's block executor, and each call of a block in a checkpointed
   segment of a chain (``lowmem.techniques.chains``). Their custom autograd nodes replay RNG state,
   watch the blocks for side outputs and fingerprint a block's first recomputation: Python the
-  compiler cannot trace. The blocks in them run eagerly in forward and in the recomputation alike,
-  so the recomputation repeats the forward's own code and its self-check compares like with like.
-- each compact sparse embedding or experts' module, and a compact convolution padded by name
-  (``padding="same"``). Compact convolutions and linear layers are one operator each in the graph
+  compiler cannot trace. Inside them a block runs compiled (``compiled_call``) once a watched eager
+  forward found no side output for what ``checked_key`` records, else eagerly and watched; its
+  recomputation runs as its forward ran, so the self-check (on a shape's first, eager, call)
+  compares like with like.
+- each compact sparse experts' module (stacked matrices), and a compact embedding under sharded
+  training. Compact convolutions, linear layers and embeddings are one operator each in the graph
   (``lowmem.techniques.compact_ops``): no break.
 
 A model without those compiles whole: lowmem adds no break. ``no_bn``'s BatchNorm-ReLU
@@ -38,6 +40,7 @@ import collections
 import contextlib
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -133,10 +136,14 @@ def mark_compiled_blocks(blocks: list[nn.Module], backend: str) -> None:
         block.__dict__[COMPILED_BLOCK] = backend
 
 
-def checked_key(blocks: list[nn.Module], x: torch.Tensor) -> tuple:
-    """What a watched eager forward of ``blocks`` on ``x`` established (no side outputs) holds for:
-    the input's shape, dtype and device, the autocast state, and the hooks that could collect a
-    tensor (every forward hook of the blocks' modules, and the global ones)."""
+def checked_key(blocks: list[nn.Module], x: torch.Tensor, context: tuple = ()) -> tuple:
+    """What a watched eager forward of ``blocks`` on ``x`` (and ``context``, the other arguments)
+    established (no side outputs) holds for: what the watch's verdict depends on. The input's shape,
+    dtype, device and whether it requires grad; the other arguments' (tensors: shape, dtype,
+    requires grad; other values: their repr); each block's mode and which of its parameters are
+    trained (a frozen block lets out no tensor that needs a gradient); the autocast state; and the
+    hooks that could collect a tensor (every forward hook of the blocks' modules, and the global
+    ones). Any of these changed, the next forward is watched eagerly again."""
     from torch.nn.modules import module as module_hooks
 
     hooks = tuple(
@@ -144,7 +151,12 @@ def checked_key(blocks: list[nn.Module], x: torch.Tensor) -> tuple:
     )
     global_hooks = (len(module_hooks._global_forward_hooks), len(module_hooks._global_forward_pre_hooks))
     autocast = torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type)
-    return tuple(x.shape), x.dtype, x.device, autocast, hooks, global_hooks
+    trained = tuple((block.training, tuple(p.requires_grad for p in block.parameters())) for block in blocks)
+    others = tuple(
+        (tuple(item.shape), item.dtype, item.requires_grad) if isinstance(item, torch.Tensor) else repr(item)
+        for item in context
+    )
+    return tuple(x.shape), x.dtype, x.device, x.requires_grad, others, trained, autocast, hooks, global_hooks
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> CompileRecord:
@@ -166,8 +178,8 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> CompileRecord:
         torch._dynamo.config.accumulated_cache_size_limit, 4096
     )
     mark_compiled_blocks([b for b in checkpointed_blocks(model) if not is_fsdp_module(b)], backend)
-    # Compact sparse convolutions and linear layers are operators of the graph (compact_ops); the
-    # others (embeddings, stacked experts, a convolution padded by name) run eagerly: one break each.
+    # Compact sparse convolutions, linear layers and embeddings are operators of the graph
+    # (compact_ops); stacked experts and sharded embeddings run eagerly: one break each.
     from lowmem.techniques import compact_ops  # noqa: F401 - registers the operators
 
     for layer in compact_layers(model):
@@ -201,16 +213,19 @@ def is_compiled(model: nn.Module) -> bool:
 
 
 def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:
-    """``model`` without the compilation you gave it, and whether it had one: the module a
-    ``torch.compile`` wrapper holds, or the module itself with its ``nn.Module.compile`` undone
-    (``lowmem.prepare`` compiles it again, with the techniques in place: ``trainer.compile=true``)."""
+    """The module ``model`` compiles, and whether you compiled it: the module a ``torch.compile``
+    wrapper holds, or the module itself (``nn.Module.compile``, which ``apply_compile`` replaces).
+    ``lowmem.prepare`` compiles it again, with the techniques in place (``trainer.compile=true``)."""
     inner = getattr(model, "_orig_mod", None)
     if isinstance(inner, nn.Module):
         return inner, True
-    if getattr(model, "_compiled_call_impl", None) is not None:
-        model._compiled_call_impl = None
-        return model, True
-    return model, False
+    return model, getattr(model, "_compiled_call_impl", None) is not None
+
+
+def graphs_compiled() -> int:
+    """Graphs ``torch.compile`` has compiled in this process so far (0 before dynamo is imported)."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if dynamo_utils is None else int(dynamo_utils.counters["stats"]["unique_graphs"])
 
 
 class CompileRecord:
