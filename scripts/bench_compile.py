@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--rows", default="2,3,4,5,6,7,full")
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
     parser.add_argument("--cpu-compute", default="auto", help="precision.cpu_compute of the lowmem rows")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print where each lowmem step's time goes (torch.profiler, one step each)")
     args = parser.parse_args()
     inductor_cache()
     depth, width, batch = (10, 1, 20) if args.tiny else (28, 2, 100)
@@ -128,15 +130,13 @@ def main() -> None:
             steady = time.perf_counter() - started
             peak = measure_peak(step, trainer.unwrapped_model, trainer.optimizer, owners=(trainer,),
                                 arithmetic=trainer.arithmetic())
-            with trainer.arithmetic(), CompiledStepTracker("cpu", trainer.unwrapped_model, trainer.optimizer,
-                                                           owners=(trainer,)) as events:
+            with CompiledStepTracker("cpu", trainer.unwrapped_model, trainer.optimizer, owners=(trainer,)) as events:
                 step()  # the allocator's events, eager or compiled alike
             summary = trainer.compile_summary()
             info[key] = {"flops": flops, "peak": peak.peak_bytes, "events": events.peak_bytes, "micro": micro,
                          "precision": precision,
                          "breaks": summary["graph_breaks"], "compile_s": max(0.0, first - steady) if compiled else 0.0}
-            arithmetic = trainer.arithmetic()
-            steps[key] = (lambda s=step, a=arithmetic: _within(a, s))
+            steps[key] = step  # train_step computes in the trainer's arithmetic itself
     plains = {(v[1], v[2]) for v in chosen.values()} | {(v[1], "fp32") for v in chosen.values()}
     for micro, precision in sorted(plains):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -156,6 +156,10 @@ def main() -> None:
             steps[key] = step
     gc.collect()
     medians = median_round_robin(steps, args.repeats)
+    if args.profile:
+        for key, step in steps.items():
+            if key.startswith("lowmem"):
+                print(f"\n{key}: {where_time_goes(step)}")
     lines = [
         f"CPU: {cpu_name()} | ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(default)')}, "
         f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(default)')} | "
@@ -190,6 +194,24 @@ def main() -> None:
         save_bytes(text.encode(), args.out)
 
 
+def where_time_goes(step: Callable[[], object], top: int = 8) -> str:
+    """One step under torch.profiler: its convolutions (calls), dynamo's guard lookups and the ops
+    taking the most time of their own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        step()
+    events = profiled.key_averages()
+    count = {e.key: e.count for e in events}
+    busiest = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    name = lambda key: "compiled graph" if "CompiledFxGraph" in key else key  # noqa: E731
+    parts = [f"{name(e.key)} {e.self_cpu_time_total / 1e3:.0f} ms" for e in busiest]
+    return (f"{count.get('aten::mkldnn_convolution', 0)} convolutions, "
+            f"{count.get('TorchDynamo Cache Lookup', 0)} guard lookups "
+            f"({sum(e.self_cpu_time_total for e in events if e.key == 'TorchDynamo Cache Lookup') / 1e3:.0f} ms) | "
+            + ", ".join(parts))
+
+
 def cpu_name() -> str:
     """The CPU's model name and its AVX-512 flags (AVX2 where it has none)."""
     try:
@@ -200,11 +222,6 @@ def cpu_name() -> str:
     flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
     wide = sorted(f for f in flags if f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2"))
     return f"{name} ({', '.join(wide)})"
-
-
-def _within(context, step):
-    with context:
-        return step()
 
 
 if __name__ == "__main__":

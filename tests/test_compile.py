@@ -14,7 +14,7 @@ import lowmem
 from lowmem.config import ConfigError
 from lowmem.profiler.peak import measure_peak
 from lowmem.trainer import build_trainer
-from tests.helpers import SMALL_DC, TINY_WRN, make_config
+from tests.helpers import SMALL_DC, TINY_WRN, load_script, make_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -138,13 +138,7 @@ def _breaks(model: nn.Module, loss, batch, overrides: list[str]) -> int:
 
 def _plain_breaks(model: nn.Module, loss, batch) -> int:
     """The graph breaks of ``torch.compile`` of the model alone (dynamo's count, as lowmem's)."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(model, backend="eager")
-    loss(compiled, batch).backward()
-    return sum(counters["graph_break"].values())
+    return load_script("compile_breaks").plain_breaks(model, loss, batch)
 
 
 def _classify(model, batch):

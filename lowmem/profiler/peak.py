@@ -309,7 +309,6 @@ class CompiledStepTracker(AllocationTracker):
         self._storages[storage._cdata] = _Storage(nbytes, category)
         self.live[category] += nbytes
         self._finalizers.append(weakref.finalize(storage, self._died, nbytes))
-        self.start_bytes = sum(self.live.values())
 
     def _died(self, nbytes: int) -> None:
         self._deaths.append((time.time_ns(), -nbytes))
@@ -432,8 +431,7 @@ def track_peak(
 
 def runs_compiled(model: nn.Module) -> bool:
     """Whether calling ``model`` runs compiled code: compiled in place (``nn.Module.compile``) or a
-    ``torch.compile`` wrapper (``lowmem.techniques.compilation.is_compiled``, which this layer may
-    not import)."""
+    ``torch.compile`` wrapper."""
     return getattr(model, "_compiled_call_impl", None) is not None or hasattr(model, "_orig_mod")
 
 

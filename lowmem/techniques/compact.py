@@ -265,7 +265,7 @@ def _own_tensor(output: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._unsafe_view(output, output.shape) if output._is_view() else output
 
 
-_CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}  # by number of spatial dims
+CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}  # by number of spatial dims
 
 # A compact convolution whose dense weight takes at most this in FP32 computes its backward in one
 # kernel call (``conv_backward``): the dense weight and its gradient then live together.
@@ -343,7 +343,7 @@ conv2d_backward = conv_backward  # the name the no_bn checkpointing strategy imp
 def compact_conv(x, values, columns, row_starts, bias, shape, stride, padding, dilation, groups) -> torch.Tensor:
     """A convolution by a compact weight of dense ``shape`` (no autograd): built, used, dropped."""
     weight = densify(values, columns, row_starts, shape)
-    return _own_tensor(_CONVOLUTIONS[len(stride)](x, weight, bias, stride, padding, dilation, groups))
+    return _own_tensor(CONVOLUTIONS[len(stride)](x, weight, bias, stride, padding, dilation, groups))
 
 
 class _CompactConvolution(torch.autograd.Function):

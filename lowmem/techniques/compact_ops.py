@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lowmem.techniques.compact import (
+    CONVOLUTIONS,
     compact_conv,
     compact_conv_backward,
     compact_linear,
@@ -30,8 +31,6 @@ from lowmem.techniques.compact import (
     densify,
     gather,
 )
-
-_CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 def _or_empty(tensor: Tensor | None, like: Tensor) -> Tensor:
@@ -50,14 +49,14 @@ def conv_op(
     x: Tensor, values: Tensor, columns: Tensor, row_starts: Tensor, bias: Tensor | None, shape: list[int],
     stride: list[int], padding: list[int], dilation: list[int], groups: int,
 ) -> Tensor:  # fmt: skip
-    out = compact_conv(x, values, columns, row_starts, bias, shape, stride, padding, dilation, groups)
-    return out.clone() if out._base is not None else out  # an operator's output is a tensor of its own
+    # A tensor of its own (compact_conv returns no view): an operator's output may not alias an input.
+    return compact_conv(x, values, columns, row_starts, bias, shape, stride, padding, dilation, groups)
 
 
 @conv_op.register_fake
 def _(x, values, columns, row_starts, bias, shape, stride, padding, dilation, groups):
     weight = values.new_empty(shape)
-    return _CONVOLUTIONS[len(stride)](x, weight, bias, stride, padding, dilation, groups)
+    return CONVOLUTIONS[len(stride)](x, weight, bias, stride, padding, dilation, groups)
 
 
 @torch.library.custom_op("lowmem::compact_conv_backward", mutates_args=())
@@ -110,8 +109,7 @@ def linear_op(
     x: Tensor, values: Tensor, columns: Tensor, row_starts: Tensor, bias: Tensor | None, shape: list[int],
     transposed: bool,
 ) -> Tensor:  # fmt: skip
-    out = compact_linear(x, values, columns, row_starts, bias, shape, transposed)
-    return out.clone() if out._base is not None else out
+    return compact_linear(x, values, columns, row_starts, bias, shape, transposed)  # no view either
 
 
 @linear_op.register_fake

@@ -206,12 +206,6 @@ def compile_record(model: nn.Module) -> CompileRecord | None:
     return getattr(model, _RECORD, None)
 
 
-def is_compiled(model: nn.Module) -> bool:
-    """Whether ``model`` runs compiled code when called: compiled in place (``nn.Module.compile``,
-    by lowmem or by you) or a ``torch.compile`` wrapper."""
-    return getattr(model, "_compiled_call_impl", None) is not None or hasattr(model, "_orig_mod")
-
-
 def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:
     """The module ``model`` compiles, and whether you compiled it: the module a ``torch.compile``
     wrapper holds, or the module itself (``nn.Module.compile``, which ``apply_compile`` replaces).
@@ -250,10 +244,10 @@ class CompileRecord:
         from torch._dynamo.utils import counters
 
         breaks_before = collections.Counter(counters["graph_break"])
-        graphs_before = counters["stats"]["unique_graphs"]
+        graphs_before = graphs_compiled()
         started = time.perf_counter()
         yield
-        graphs = counters["stats"]["unique_graphs"] - graphs_before
+        graphs = graphs_compiled() - graphs_before
         if graphs <= 0:
             return
         self.compile_seconds += time.perf_counter() - started
