@@ -89,11 +89,91 @@ def relu_of_norm(normalized: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def norm_relu_conv(block: nn.Module, norm: nn.Module, conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``conv(relu(norm(x)))`` computed the way checkpointing chose for ``block`` (plain by default).
     Compiled code computes it plainly: the compiler's partitioner recomputes the norm and the ReLU in
-    backward instead of saving their outputs, as ``no_bn`` does eagerly."""
+    backward instead of saving their outputs, as ``no_bn`` does eagerly; the triple
+    ``COMPILED_TRIPLES`` names as unread computes no convolution (``unread_conv``)."""
     if torch.compiler.is_compiling() or COMPILED_BLOCK in block.__dict__:
+        triples = COMPILED_TRIPLES
+        # Counted eagerly, and in compiled code only where a checkpointed segment's runner set the
+        # count (model-level compiled code reads nothing it would have to guard on).
+        if triples.unread >= 0 or not torch.compiler.is_compiling():
+            index = triples.count
+            triples.count = index + 1
+            if index == triples.unread:
+                return unread_conv(conv, relu_of_norm(norm(x), x))
         return plain_norm_relu_conv(norm, conv, x)
     compute = getattr(block, "_norm_relu_conv", plain_norm_relu_conv)
     return compute(norm, conv, x)
+
+
+class CompiledTriples:
+    """The norm-ReLU-conv triples of a block of a compiled checkpointed segment, as it runs: ``count``
+    of them so far (eagerly: what a watched forward counts; compiled: the runner starts it at 0) and
+    the index of the one whose convolution output nobody reads (``unread``; -1: none). A rebuild of
+    a block for backprop only (``residual_star``) reads its output's gradient edge, never its value:
+    its last convolution's output, added to the shortcut only, need not be computed."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.unread = -1
+
+
+COMPILED_TRIPLES = CompiledTriples()  # one per process: segments run one block at a time
+
+
+def unread_conv(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``conv(x)`` as an autograd node only: backward computes the convolution's gradients, forward
+    returns a broadcast zero of the output's shape (its value is never read). A convolution module
+    with an ``unread_forward`` of its own (compact sparse) uses it; a convolution other than
+    ``nn.Conv1d/2d/3d`` with numeric zero padding is computed."""
+    own = getattr(conv, "unread_forward", None)
+    if own is not None:
+        return own(x)
+    plain = type(conv) in (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    if not plain or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        return conv(x)
+    weight, bias = conv.weight, conv.bias
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # the operands the convolution would compute in
+        dtype = torch.get_autocast_dtype(device)
+        x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    return UnreadConvolution.apply(x, weight, bias, (conv.stride, conv.padding, conv.dilation, conv.groups))
+
+
+class UnreadConvolution(torch.autograd.Function):
+    """A convolution whose output is not computed (a broadcast zero) and whose backward is the
+    convolution's: ``aten.convolution_backward`` from the saved input and weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, arguments):
+        stride, padding, dilation, groups = arguments
+        ctx.save_for_backward(x, weight)
+        ctx.arguments, ctx.has_bias = arguments, bias is not None
+        shape = conv_output_shape(x.shape, weight.shape[0], weight.shape[2:], stride, padding, dilation)
+        return x.new_zeros((), dtype=weight.dtype).expand(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.arguments
+        wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.has_bias]
+        grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+            grad, x, weight, [weight.shape[0]] if ctx.has_bias else None, list(stride), list(padding),
+            list(dilation), False, [0] * len(stride), groups, wanted,
+        )  # fmt: skip
+        return grad_x, grad_weight, grad_bias, None
+
+
+def conv_output_shape(
+    x_shape: Sequence[int], out_channels: int, kernel: Sequence[int], stride: Sequence[int],
+    padding: Sequence[int], dilation: Sequence[int],
+) -> tuple[int, ...]:  # fmt: skip
+    """The shape a convolution with numeric padding returns for an input of ``x_shape``."""
+    dims = len(kernel)
+    spatial = [
+        (size + 2 * pad - dil * (k - 1) - 1) // step + 1
+        for size, pad, dil, k, step in zip(x_shape[-dims:], padding, dilation, kernel, stride, strict=True)
+    ]
+    return (*x_shape[: -dims - 1], out_channels, *spatial)
 
 
 def routes_norm_relu_conv(block: nn.Module) -> bool:

@@ -15,12 +15,19 @@ On a CPU, 16-bit rows use BF16 computed as ``precision.cpu_compute=auto`` choose
 BF16 ops run natively). ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` restricts oneDNN's
 convolutions, torch's own kernels and inductor's code to AVX2 (the CPU line then names the setting).
 
+``--models``: the same for the any-model rows of ``scripts/bench_your_model.py`` (torchvision's
+resnet18 and mobilenet_v3_small, a small ViT, a GPT-style model; batch 100) through
+``lowmem.prepare`` with its full combination (density 0.3, BF16, microbatches of 10,
+``residual_star`` every 2), against plain PyTorch at microbatches of 10 in BF16 and in FP32.
+
     .venv/bin/python scripts/bench_compile.py [--tiny] [--repeats 5] [--rows 2,3,4,5,6,7,full] [--out FILE]
+    .venv/bin/python scripts/bench_compile.py --models [--only NAME] [--cpu-compute native]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import platform
@@ -106,8 +113,13 @@ def main() -> None:
     parser.add_argument("--cpu-compute", default="auto", help="precision.cpu_compute of the lowmem rows")
     parser.add_argument("--profile", action="store_true",
                         help="also print where each lowmem step's time goes (torch.profiler, one step each)")
+    parser.add_argument("--models", action="store_true", help="the any-model rows instead of Table 3's")
+    parser.add_argument("--only", default=None, help="with --models: the models whose name contains this")
     args = parser.parse_args()
     inductor_cache()
+    if args.models:
+        any_models(args)
+        return
     depth, width, batch = (10, 1, 20) if args.tiny else (28, 2, 100)
     size = [f"model.depth={depth}", f"model.width={width}", f"data.batch_size={batch}",
             f"data.train_size={2 * batch}", "data.test_size=20"]
@@ -192,6 +204,85 @@ def main() -> None:
     print(text)
     if args.out:
         save_bytes(text.encode(), args.out)
+
+
+def any_models(args: argparse.Namespace) -> None:
+    """The any-model rows: lowmem's full combination eager and compiled against plain PyTorch at
+    microbatches of 10, BF16 and FP32, eager and compiled, timed round-robin per model."""
+    from bench_your_model import MICROBATCH, models
+
+    lines = [
+        f"CPU: {cpu_name()} | ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(default)')}, "
+        f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(default)')} | "
+        f"lowmem precision.cpu_compute={args.cpu_compute} | torch {torch.__version__} | threads "
+        f"{torch.get_num_threads()} | batch 100, microbatches of {MICROBATCH} | median of {args.repeats}",
+        "",
+        "| model | GFLOPs lowmem (plain) | lowmem eager s | lowmem compiled s | compiled / eager | time/FLOP vs plain "
+        "compiled, BF16 | vs plain FP32 compiled | plain BF16 eager s | plain BF16 compiled s | plain FP32 compiled s "
+        "| breaks | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, (make_model, batch, loss_fn) in models(100).items():
+        if args.only is None or args.only in name:
+            lines.append(any_model_row(name, make_model, batch, loss_fn, args))
+            print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        save_bytes(text.encode(), args.out)
+
+
+def any_model_row(name: str, make_model: Callable, batch: tuple, loss_fn: Callable, args: argparse.Namespace) -> str:
+    from bench_your_model import COMBINATION, MICROBATCH, plain_microbatched_step
+
+    import lowmem
+
+    steps: dict[str, Callable[[], object]] = {}
+    flops: dict[str, float] = {}
+    compile_s, breaks = 0.0, None
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        overrides = ["trainer.device=cpu", *COMBINATION, f"precision.cpu_compute={args.cpu_compute}",
+                     f"trainer.compile={str(compiled).lower()}"]  # fmt: skip
+        run = lowmem.prepare(make_model(), loss_fn, batch, overrides=overrides)
+        key = f"lowmem {'compiled' if compiled else 'eager'}"
+        flops[key] = run.profile(measure=False)["flops"]
+        started = time.perf_counter()
+        run.step(batch)  # compiles
+        first = time.perf_counter() - started
+        started = time.perf_counter()
+        run.step(batch)
+        if compiled:
+            compile_s = max(0.0, first - (time.perf_counter() - started))
+            breaks = run.trainer.compile_summary()["graph_breaks"]
+        steps[key] = functools.partial(run.step, batch)
+    for dtype in (torch.bfloat16, torch.float32):
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            model = make_model().to(dtype)
+            if compiled:
+                model.compile()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+            typed = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+            step = plain_microbatched_step(model, optimizer, loss_fn, typed, MICROBATCH)
+            step()
+            step()
+            key = f"plain {dtype} {'compiled' if compiled else 'eager'}"
+            with torch.compiler.set_stance("force_eager"):
+                flops[key] = count_flops(step)
+            steps[key] = step
+    gc.collect()
+    t = median_round_robin(steps, args.repeats)
+    plain16, plain32 = f"plain {torch.bfloat16} compiled", f"plain {torch.float32} compiled"
+    ours = t["lowmem compiled"] / flops["lowmem compiled"]
+    return (
+        f"| {name} | {flops['lowmem compiled'] / 1e9:.1f} ({flops[plain16] / 1e9:.1f}) | {t['lowmem eager']:.3f} | "
+        f"{t['lowmem compiled']:.3f} | {t['lowmem compiled'] / t['lowmem eager']:.2f}x | "
+        f"{ours / (t[plain16] / flops[plain16]):.2f}x | {ours / (t[plain32] / flops[plain32]):.2f}x | "
+        f"{t[f'plain {torch.bfloat16} eager']:.3f} | {t[plain16]:.3f} | {t[plain32]:.3f} | {breaks} | "
+        f"{compile_s:.1f} |"
+    )
 
 
 def where_time_goes(step: Callable[[], object], top: int = 8) -> str:

@@ -283,6 +283,11 @@ def test_densify_and_gather_give_the_flat_positions_results_bitwise(dtype, grad_
     dense_grad = torch.randn(shape, dtype=torch.float64).to(grad_dtype)
     gathered = compact.gather(dense_grad, *index, dtype)
     exact(gathered, dense_grad.reshape(-1).index_select(0, positions.int()).to(dtype))
+    # Channels-last (compiled compact convolutions on a CPU).
+    laid_out = compact.densify(values, *index, shape, torch.channels_last)
+    assert laid_out.is_contiguous(memory_format=torch.channels_last) and not laid_out.is_contiguous()
+    exact(laid_out, expected)
+    exact(compact.gather(dense_grad.contiguous(memory_format=torch.channels_last), *index, dtype), gathered)
 
 
 def test_a_weight_of_any_width_keeps_16_bit_columns_and_computes_exactly():

@@ -5,6 +5,7 @@ that compiles whole, and the measured peak of a compiled step is what the alloca
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -341,3 +342,62 @@ def test_a_profiled_compiled_step_with_checkpointed_blocks_measures_no_compilati
     assert run.profile(measure=True)["peak_bytes"] > 0
     assert compiled_while_measured == [0]
     assert run.trainer.compiled.graphs >= 2  # the blocks' graphs, with and without grad
+
+
+def _convolutions(step) -> int:
+    """Convolutions computed (forward kernels) by one call of ``step``, as torch.profiler counts them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        step()
+    return sum(e.count for e in profiled.key_averages() if e.key == "aten::convolution")
+
+
+@pytest.mark.parametrize("density", ["1.0", "0.3"], ids=["dense", "compact sparse"])
+def test_a_compiled_residual_star_rebuild_computes_no_last_convolution(density):
+    """``residual_star`` rebuilds each block for backprop without its last convolution's output
+    (only the block output reads it): compiled as eagerly, the step computes as many convolutions."""
+    overrides = (*TINY_WRN, "precision=fp32", "checkpointing.strategy=residual_star", f"sparsity.density={density}")
+    counts = []
+    for compiled in ("false", "true"):
+        trainer = build_trainer(make_config("trainer.device=cpu", *overrides, f"trainer.compile={compiled}"))
+        batch = next(iter(trainer.data.train.epoch(0)))
+        for _ in range(2):  # the blocks run compiled from their second call
+            trainer.train_step(batch)
+        counts.append(_convolutions(functools.partial(trainer.train_step, batch)))
+    eager, compiled = counts
+    assert compiled == eager, f"compiled step computes {compiled} convolutions, eager {eager}"
+
+
+def test_the_inductor_cache_is_per_version_of_lowmem_operators(monkeypatch, tmp_path):
+    """Inductor's cache keys name lowmem's operators, not their fake kernels: a graph cached against
+    another version's output layouts fails on load. The directory is keyed by their source."""
+    import hashlib
+
+    from lowmem.techniques import compact_ops
+    from lowmem.techniques.compilation import inductor_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # restored afterwards, whatever it was
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("LOWMEM_CACHE_DIR", str(tmp_path))
+    directory = inductor_cache()
+    digest = hashlib.sha256(open(compact_ops.__file__, "rb").read()).hexdigest()[:12]
+    assert directory == str(tmp_path / "inductor" / f"ops-{digest}")
+    assert __import__("os").environ["TORCHINDUCTOR_CACHE_DIR"] == directory
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert inductor_cache() == str(tmp_path / "mine")  # one you set is kept
+
+
+@pytest.mark.parametrize("density", ["1.0", "0.3"], ids=["dense", "compact sparse"])
+def test_amp_residual_star_compiled_ends_where_eager_ends(density):
+    """Under autocast the rebuild's unread last convolution backprops in autocast's dtype, as the
+    eager rebuild's skipped one does (dense: lowmem.residual.UnreadConvolution; compact: its own)."""
+    overrides = (*TINY_WRN, "precision=amp", "checkpointing.strategy=residual_star", f"sparsity.density={density}")
+    ends = []
+    for compiled in ("false", "true"):
+        trainer = build_trainer(make_config("trainer.device=cpu", *overrides, f"trainer.compile={compiled}"))
+        batches = iter(trainer.data.train.epoch(0))
+        for _ in range(3):
+            trainer.train_step(next(batches))
+        ends.append({k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()})
+    assert _relative_difference(*ends) <= 4e-3, _relative_difference(*ends)  # BF16 unit roundoff 3.9e-3

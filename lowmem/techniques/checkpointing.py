@@ -61,6 +61,8 @@ from lowmem import kernels
 from lowmem.kernels import cpu as cpu_kernels
 from lowmem.residual import (
     COMPILED_BLOCK,
+    COMPILED_TRIPLES,
+    conv_output_shape,
     plain_norm_relu_conv,
     relu_of_norm,
     residual_stacks,
@@ -93,6 +95,7 @@ from lowmem.techniques.side_outputs import (
 
 STRATEGIES = ("none", "no_bn", "residual", "residual_star")  # the fixed patterns (`optimal`: lowmem.planning)
 _CHECKED = "_lowmem_checked_inputs"  # on a segment's first block: inputs its compiled blocks may run on
+_COMPILED_TRIPLE_COUNT = "_lowmem_compiled_triples"  # on a compiled block: its triples, as a watched forward counted
 _FP32_SLICE = 1 << 15  # elements of a 16-bit tensor widened to FP32 at a time when BN is recomputed
 
 
@@ -318,14 +321,20 @@ class _CheckpointedSegment(torch.autograd.Function):
         if ctx.compiled is not None:
             for block in segment:
                 x = ctx.compiled(block, x, *context)
-            ctx.triples, ctx.statistics = [0] * len(segment), [[] for _ in segment]
+            # Triples as the watched forward counted them: the rebuild leaves the last one's
+            # convolution output uncomputed (compilation's "unread" runner).
+            ctx.triples = [block.__dict__.get(_COMPILED_TRIPLE_COUNT, 0) for block in segment]
+            ctx.statistics = [[] for _ in segment]
             ctx.side = [([], []) for _ in segment]
             return (x,)
         watches, marked = [], {}
         for block in segment:
             watch = ForwardWatch(marked)  # each block reads what the one before it made
+            COMPILED_TRIPLES.count = 0
             with _NormReluConvCalls(statistics=[]) as calls, watch:
                 x = block(x, *context)
+            if compiled is not None:  # its triples are plain, counted by lowmem.residual
+                block.__dict__[_COMPILED_TRIPLE_COUNT] = COMPILED_TRIPLES.count
             ctx.triples.append(calls.count)
             ctx.statistics.append(calls.statistics)
             watches.append(watch)
@@ -439,20 +448,22 @@ class _SegmentBackprop:
             skipped = self.triples[index] - 1 if skip else None
             replayed = _NormReluConvCalls(skip=skipped, statistics=self.statistics[index], replay=True)
             with rng_states.pop().replayed(), torch.enable_grad(), replayed:
-                output, side_edges = self._recompute(index, alias)
+                output, side_edges = self._recompute(index, alias, unread=skipped)
             edges = (torch.autograd.graph.get_gradient_edge(output), side_edges)
             del output, alias, token
             grad = self._backprop_block(index, edges, leaf, grad)
             del leaf
         return grad
 
-    def _recompute(self, index: int, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    def _recompute(self, index: int, x: torch.Tensor, unread: int | None = None) -> tuple[torch.Tensor, list]:
         """Block ``index`` run again on ``x``: its output, and its side outputs' gradient edges
-        (found by op index; None where a side output has no graph)."""
+        (found by op index; None where a side output has no graph). ``unread``: the triple whose
+        convolution output a compiled rebuild leaves uncomputed (eagerly ``_NormReluConvCalls``
+        skips it)."""
         indices, layout, _ = self.side[index]
         block = self.blocks[index]
         if not indices:
-            return self._run(block, x), []
+            return self._run(block, x, unread), []
         with RecomputeCollect(indices) as collect:
             output = block(x, *self.context)
         try:
@@ -464,11 +475,13 @@ class _SegmentBackprop:
             ) from None
         return output, [torch.autograd.graph.get_gradient_edge(t) if t.requires_grad else None for t in side]
 
-    def _run(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, block: nn.Module, x: torch.Tensor, unread: int | None = None) -> torch.Tensor:
         """``block`` on ``x`` as the segment's forward ran it: compiled, or eagerly."""
-        if self.compiled is not None:
+        if self.compiled is None:
+            return block(x, *self.context)
+        if unread is None:
             return self.compiled(block, x, *self.context)
-        return block(x, *self.context)
+        return compiled_call(block, "unread")(block, unread, x, *self.context)
 
     def _backprop_block(
         self, index: int, edges: tuple, block_input: torch.Tensor, grad: torch.Tensor
@@ -776,13 +789,7 @@ def _normalized_from_statistics(
 
 def _conv_output_shape(conv: nn.Conv2d, x: torch.Tensor) -> tuple[int, ...]:
     """The shape ``conv(x)`` returns (numeric padding)."""
-    spatial = [
-        (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
-        for size, pad, dilation, kernel, stride in zip(
-            x.shape[-2:], conv.padding, conv.dilation, conv.kernel_size, conv.stride, strict=True
-        )
-    ]
-    return (*x.shape[:-3], conv.out_channels, *spatial)
+    return conv_output_shape(x.shape, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation)
 
 
 def _conv_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

@@ -76,6 +76,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lowmem.kernels import cpu as cpu_kernels
+from lowmem.residual import conv_output_shape
 from lowmem.techniques.shards import full, write_full
 
 _VALUES, _COLUMNS, _ROW_STARTS = "_values", "_columns", "_row_starts"
@@ -164,25 +165,30 @@ def flat_positions(columns: torch.Tensor, row_starts: torch.Tensor) -> torch.Ten
 
 
 def densify(
-    values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, shape: Sequence[int]
-) -> torch.Tensor:
-    """The dense weight of ``shape``: ``values`` at their positions, zeros elsewhere (no autograd)."""
+    values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, shape: Sequence[int],
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> torch.Tensor:  # fmt: skip
+    """The dense weight of ``shape``: ``values`` at their positions, zeros elsewhere (no autograd), in
+    ``memory_format`` (channels-last: written in position order, then copied; a C loop writing it in
+    place was twice as slow, its positions' order being the other one)."""
     if _copied_in_c(values, columns, row_starts):  # one pass, no index scratch
         dense = values.new_empty(math.prod(shape))
         cpu_kernels.densify(dense, values, columns, row_starts, ROW)
-        return dense.view(shape)
-    dense = values.new_zeros(math.prod(shape))
-    for entries, positions in positions_by_chunk(columns, row_starts, DENSIFY_CHUNK):
-        dense.index_copy_(0, positions, values[entries])
-        del positions  # before the next chunk's are built
+    else:
+        dense = values.new_zeros(math.prod(shape))
+        for entries, positions in positions_by_chunk(columns, row_starts, DENSIFY_CHUNK):
+            dense.index_copy_(0, positions, values[entries])
+            del positions  # before the next chunk's are built
+    if memory_format == torch.channels_last and len(shape) == 4:
+        return dense.view(shape).contiguous(memory_format=memory_format)
     return dense.view(shape)
 
 
 def gather(
     dense_grad: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The entries of ``dense_grad`` at the active positions, in ``dtype`` (the compact values'
-    gradient). The indices are int32 where the weight allows (half the scratch of int64)."""
+    """The entries of ``dense_grad`` (any layout) at the active positions, in ``dtype`` (the compact
+    values' gradient). The indices are int32 where the weight allows (half the scratch of int64)."""
     flat = dense_grad.reshape(-1)
     index_dtype = torch.int32 if flat.numel() <= torch.iinfo(torch.int32).max else torch.int64
     # Made like the columns (model state): activation profilers see a weight gradient, not an activation's.
@@ -310,21 +316,27 @@ def compact_conv_backward(
     args: tuple,
     bias_shape: Sequence[int] | None,
     wanted: tuple[bool, bool, bool],
+    memory_format: torch.memory_format = torch.contiguous_format,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``conv_backward`` of a compact weight of dense ``shape``, its (values, index); ``args``:
-    ``aten.convolution_backward``'s (stride, padding, dilation, transposed, output padding, groups)."""
+    ``aten.convolution_backward``'s (stride, padding, dilation, transposed, output padding, groups);
+    the dense weight built in ``memory_format`` (that of ``x`` and ``grad_output``)."""
     x = _dtype_for(grad_output, x)
     need_x, need_weight, need_bias = wanted
     grad_x = grad_values = grad_bias = None
+
+    def dense() -> torch.Tensor:
+        return _dtype_for(grad_output, densify(trained, *index, shape, memory_format))
+
     if need_x and need_weight and math.prod(shape) * 4 <= ONE_CALL_BYTES:
-        weight = _dtype_for(grad_output, densify(trained, *index, shape))
+        weight = dense()
         grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
             grad_output, x, weight, bias_shape, *args, list(wanted)
         )
         del weight
         return grad_x, gather(grad_weight, *index, trained.dtype), grad_bias
     if need_x:
-        weight = _dtype_for(grad_output, densify(trained, *index, shape))
+        weight = dense()
         grad_x = torch.ops.aten.convolution_backward(grad_output, x, weight, None, *args, [True, False, False])[0]
         del weight
     if need_weight or need_bias:
@@ -560,6 +572,39 @@ class _CompactConvolutionModule(_CompactModule):
                 list(self.stride), list(self.padding), list(self.dilation), self.groups,
             )
         return _CompactConvolution.apply(_untraced(x), self.weight_values, *_index(self, "weight"), self.bias, self)
+
+    def unread_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` as an autograd node only, in compiled code (``lowmem.residual.unread_conv``):
+        a broadcast zero, whose backward is the compact convolution's (computed eagerly)."""
+        if not torch.compiler.is_compiling():
+            return self(x)
+        x, values, bias = _autocast_operands(x, self.weight_values, self.bias)
+        arguments = (list(self.compact_shape("weight")), list(self.stride), list(self.padding), list(self.dilation),
+                     self.groups)  # fmt: skip
+        return _UnreadCompactConvolution.apply(x, values, *_index(self, "weight"), bias, arguments)
+
+
+class _UnreadCompactConvolution(torch.autograd.Function):
+    """Traced by the compiler: forward a broadcast zero of the output's shape, backward the operator
+    ``lowmem::compact_conv_backward`` (registered by ``lowmem.techniques.compact_ops``)."""
+
+    @staticmethod
+    def forward(ctx, x, values, columns, row_starts, bias, arguments):
+        shape, stride, padding, dilation, groups = arguments
+        ctx.save_for_backward(x, values, columns, row_starts)
+        ctx.arguments, ctx.bias_size = arguments, -1 if bias is None else bias.shape[0]
+        output = conv_output_shape(x.shape, shape[0], shape[2:], stride, padding, dilation)
+        return x.new_zeros((), dtype=values.dtype).expand(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, values, columns, row_starts = ctx.saved_tensors
+        wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4] and ctx.bias_size >= 0]
+        grad_x, grad_values, grad_bias = torch.ops.lowmem.compact_conv_backward(
+            grad_output, x, values, columns, row_starts, *ctx.arguments, ctx.bias_size, wanted
+        )
+        return (grad_x if wanted[0] else None, grad_values if wanted[1] else None, None, None,
+                grad_bias if wanted[2] else None, None)  # fmt: skip
 
 
 class CompactConv1d(_CompactConvolutionModule, nn.Conv1d):

@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import os
 import re
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,7 +52,7 @@ from torch import nn
 
 from lowmem.kernels import cpu as kernel_cache
 from lowmem.profiler.report import CHAINS_ATTRIBUTE
-from lowmem.residual import COMPILED_BLOCK, residual_stacks
+from lowmem.residual import COMPILED_BLOCK, COMPILED_TRIPLES, residual_stacks
 from lowmem.techniques.compact import compact_layers, compiles_whole
 from lowmem.techniques.shards import is_fsdp_module
 
@@ -87,12 +89,18 @@ class _Eager:
 
 
 def inductor_cache() -> str:
-    """The inductor cache directory: ``$TORCHINDUCTOR_CACHE_DIR`` if you set it, else ``inductor``
-    under lowmem's cache directory (set for this process, before inductor first reads it)."""
+    """The inductor cache directory: ``$TORCHINDUCTOR_CACHE_DIR`` if you set it, else
+    ``inductor/ops-<digest>`` under lowmem's cache directory (set for this process, before inductor
+    first reads it). The digest is that of lowmem's compiled operators' source
+    (``lowmem.techniques.compact_ops``): inductor's cache keys name an operator, not its fake kernel,
+    so a graph compiled against another version's output layouts would be loaded and fail."""
     own = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if own:
         return own
-    directory = kernel_cache.cache_dir() / "inductor"
+    from lowmem.techniques import compact_ops
+
+    digest = hashlib.sha256(Path(compact_ops.__file__).read_bytes()).hexdigest()[:12]
+    directory = kernel_cache.cache_dir() / "inductor" / f"ops-{digest}"
     kernel_cache.private_directory(directory)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
     return str(directory)
@@ -102,20 +110,32 @@ def inductor_cache() -> str:
 
 
 def _call_module(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    COMPILED_TRIPLES.count, COMPILED_TRIPLES.unread = 0, -1
     return block(*args, **kwargs)
 
 
 def _call_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    COMPILED_TRIPLES.count, COMPILED_TRIPLES.unread = 0, -1
     return type(block).forward(block, *args, **kwargs)
 
 
+def _call_module_unread(block: nn.Module, unread: int, *args: Any, **kwargs: Any) -> Any:
+    COMPILED_TRIPLES.count, COMPILED_TRIPLES.unread = 0, unread
+    output = block(*args, **kwargs)
+    COMPILED_TRIPLES.unread = -1
+    return output
+
+
+_FUNCTIONS = {"module": _call_module, "forward": _call_forward, "unread": _call_module_unread}
 _RUNNERS: dict[tuple[str, str], Callable] = {}
 
 
 def compiled_call(block: nn.Module, how: str = "module") -> Callable | None:
     """How a checkpointed segment runs ``block`` compiled: ``runner(block, *args)``, the block
     called as a module (``how="module"``) or its class's ``forward`` (``"forward"``: a chained
-    block, whose instance ``forward`` is lowmem's runner); None where ``block`` is not marked
+    block, whose instance ``forward`` is lowmem's runner), or ``runner(block, unread, *args)``
+    (``"unread"``): a rebuild for backprop whose norm-ReLU-conv triple ``unread`` computes no
+    convolution output (``lowmem.residual.COMPILED_TRIPLES``); None where ``block`` is not marked
     compiled (``mark_compiled_blocks``). One compiled function for all blocks: the compiler's
     graphs are shared by blocks of one class and shapes (their parameters are graph inputs)."""
     backend = block.__dict__.get(COMPILED_BLOCK)
@@ -123,8 +143,7 @@ def compiled_call(block: nn.Module, how: str = "module") -> Callable | None:
         return None
     key = (backend, how)
     if key not in _RUNNERS:
-        function = _call_module if how == "module" else _call_forward
-        _RUNNERS[key] = torch.compile(function, backend=backend, dynamic=False)
+        _RUNNERS[key] = torch.compile(_FUNCTIONS[how], backend=backend, dynamic=False)
     return _RUNNERS[key]
 
 
