@@ -115,10 +115,15 @@ def main() -> None:
                         help="also print where each lowmem step's time goes (torch.profiler, one step each)")
     parser.add_argument("--models", action="store_true", help="the any-model rows instead of Table 3's")
     parser.add_argument("--only", default=None, help="with --models: the models whose name contains this")
+    parser.add_argument("--optimizer", action="store_true",
+                        help="the optimizer step alone: lowmem's (eager) against torch.optim's eager and compiled")
     args = parser.parse_args()
     inductor_cache()
     if args.models:
         any_models(args)
+        return
+    if args.optimizer:
+        optimizer_steps(args)
         return
     depth, width, batch = (10, 1, 20) if args.tiny else (28, 2, 100)
     size = [f"model.depth={depth}", f"model.width={width}", f"data.batch_size={batch}",
@@ -283,6 +288,57 @@ def any_model_row(name: str, make_model: Callable, batch: tuple, loss_fn: Callab
         f"{t[f'plain {torch.bfloat16} eager']:.3f} | {t[plain16]:.3f} | {t[plain32]:.3f} | {breaks} | "
         f"{compile_s:.1f} |"
     )
+
+
+def optimizer_steps(args: argparse.Namespace) -> None:
+    """WRN-28-2's optimizer step alone (gradients given): lowmem's optimizers, which run eagerly
+    (one C loop over the parameters: stochastic rounding of 16-bit weights, 8/4-bit state), against
+    ``torch.optim``'s (foreach) eagerly and with the step compiled (``torch.compile``), on the same
+    parameters in the same dtype. Whether compiling the step would pay."""
+    size = ["model.depth=28", "model.width=2", "data.batch_size=100", "data.train_size=200", "data.test_size=20"]
+    configurations = {
+        "SGD momentum, BF16 weights": (["precision=bf16"], torch.bfloat16, "sgd"),
+        "SGD momentum, FP32": (["precision=fp32"], torch.float32, "sgd"),
+        "SGD momentum 8-bit state, BF16 weights": (["precision=bf16", "optim.state_bits=8"], torch.bfloat16, "sgd"),
+        "Adam 8-bit state, BF16 weights": (["precision=bf16", "optim.state_bits=8", "optim.name=adam",
+                                            "optim.lr=0.001"], torch.bfloat16, "adam"),
+    }  # fmt: skip
+    lines = [
+        f"CPU: {cpu_name()} | torch {torch.__version__} | threads {torch.get_num_threads()} | WRN-28-2 "
+        f"(1.5 M parameters) | median of {args.repeats * 4} steps",
+        "",
+        "| optimizer | lowmem eager ms | torch.optim eager ms | torch.optim compiled ms | lowmem / torch.optim "
+        "compiled |",
+        "|---|---|---|---|---|",
+    ]
+    for name, (overrides, dtype, kind) in configurations.items():
+        trainer = build_trainer(compose(*BASE, *size, *overrides))
+        ours = [p for p in trainer.unwrapped_model.parameters() if p.requires_grad]
+        plain = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        for p in (*ours, *plain):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(dtype) * 1e-3
+        make = {
+            "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4),
+            "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.9, 0.98), weight_decay=5e-4),
+        }[kind]
+        eager_plain = make(plain)
+        compiled_plain = make([torch.nn.Parameter(p.detach().clone()) for p in plain])
+        for p, q in zip(compiled_plain.param_groups[0]["params"], plain, strict=True):
+            p.grad = q.grad.clone()
+        compiled_step = torch.compile(compiled_plain.step)
+        steps = {"lowmem": trainer.optimizer.step, "eager": eager_plain.step, "compiled": compiled_step}
+        for step in steps.values():
+            step()
+            step()
+        with torch.no_grad():
+            t = median_round_robin(steps, args.repeats * 4)
+        lines.append(f"| {name} | {t['lowmem'] * 1e3:.2f} | {t['eager'] * 1e3:.2f} | {t['compiled'] * 1e3:.2f} | "
+                     f"{t['lowmem'] / t['compiled']:.2f}x |")  # fmt: skip
+        print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        save_bytes(text.encode(), args.out)
 
 
 def where_time_goes(step: Callable[[], object], top: int = 8) -> str:

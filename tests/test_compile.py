@@ -369,23 +369,34 @@ def test_a_compiled_residual_star_rebuild_computes_no_last_convolution(density):
     assert compiled == eager, f"compiled step computes {compiled} convolutions, eager {eager}"
 
 
-def test_the_inductor_cache_is_per_version_of_lowmem_operators(monkeypatch, tmp_path):
-    """Inductor's cache keys name lowmem's operators, not their fake kernels: a graph cached against
-    another version's output layouts fails on load. The directory is keyed by their source."""
+def test_inductor_cache_keys_hold_the_version_of_lowmem_operators():
+    """Inductor's cache keys name lowmem's operators, not their fake kernels (a graph cached against
+    another version's output layouts fails its stride checks on load): a graph pass that changes
+    nothing puts a digest of their source into every key, beside any pass of yours."""
     import hashlib
 
-    from lowmem.techniques import compact_ops
-    from lowmem.techniques.compilation import inductor_cache
+    import torch._inductor.config as inductor_config
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # restored afterwards, whatever it was
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
-    monkeypatch.setenv("LOWMEM_CACHE_DIR", str(tmp_path))
-    directory = inductor_cache()
-    digest = hashlib.sha256(open(compact_ops.__file__, "rb").read()).hexdigest()[:12]
-    assert directory == str(tmp_path / "inductor" / f"ops-{digest}")
-    assert __import__("os").environ["TORCHINDUCTOR_CACHE_DIR"] == directory
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    assert inductor_cache() == str(tmp_path / "mine")  # one you set is kept
+    from lowmem.techniques import compact_ops
+
+    digest = hashlib.sha256(open(compact_ops.__file__, "rb").read()).hexdigest()[:16]
+    assert compact_ops.OperatorsVersion().uuid() == f"lowmem operators {digest}"
+    assert isinstance(inductor_config.post_grad_custom_post_pass, compact_ops.OperatorsVersion)
+
+    class Yours(compact_ops.CustomGraphPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return "yours"
+
+    yours = Yours()
+    with inductor_config.patch(post_grad_custom_post_pass=yours):
+        compact_ops._enter_version()
+        compact_ops._enter_version()  # once only
+        passes = inductor_config.post_grad_custom_post_pass
+    assert passes[0] is yours and [type(p) for p in passes] == [Yours, compact_ops.OperatorsVersion]
+    assert isinstance(inductor_config.post_grad_custom_post_pass, compact_ops.OperatorsVersion)
 
 
 @pytest.mark.parametrize("density", ["1.0", "0.3"], ids=["dense", "compact sparse"])

@@ -14,13 +14,23 @@ eager layer's autograd node, so a compiled step computes the eager step's bits f
 
 Gradients a backward is not asked for come back as empty tensors (an operator returns tensors
 only) and are handed to autograd as None. Registered once, on import (``apply_compile``).
+
+Inductor caches compiled graphs under a key that names an operator, not its fake kernel: a graph
+compiled against another version's output layouts would load and fail its stride checks. On import
+this module enters a digest of its source into that key (``OperatorsVersion``, a graph pass that
+changes nothing), wherever the cache lies.
 """
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import torch
+import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import Tensor
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from lowmem.techniques.compact import (
     CONVOLUTIONS,
@@ -226,3 +236,30 @@ def _embedding_backward(ctx, grad_output):
 
 
 embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup)
+
+
+# --- the operators' version in inductor's cache key ------------------------------------------------
+
+
+class OperatorsVersion(CustomGraphPass):
+    """A post-grad graph pass that changes nothing; its ``uuid`` (a digest of this module's source:
+    the operators and their fake kernels) is part of inductor's cache key for every graph."""
+
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> str:
+        return f"lowmem operators {self.digest}"
+
+
+def _enter_version() -> None:
+    """Add ``OperatorsVersion`` to inductor's post-grad passes (after any of yours)."""
+    passes = inductor_config.post_grad_custom_post_pass
+    present = list(passes) if isinstance(passes, (list, tuple)) else [] if passes is None else [passes]
+    if not any(isinstance(p, OperatorsVersion) for p in present):
+        inductor_config.post_grad_custom_post_pass = [*present, OperatorsVersion()] if present else OperatorsVersion()
+
+
+_enter_version()

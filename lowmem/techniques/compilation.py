@@ -38,13 +38,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import os
 import re
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,18 +87,13 @@ class _Eager:
 
 
 def inductor_cache() -> str:
-    """The inductor cache directory: ``$TORCHINDUCTOR_CACHE_DIR`` if you set it, else
-    ``inductor/ops-<digest>`` under lowmem's cache directory (set for this process, before inductor
-    first reads it). The digest is that of lowmem's compiled operators' source
-    (``lowmem.techniques.compact_ops``): inductor's cache keys name an operator, not its fake kernel,
-    so a graph compiled against another version's output layouts would be loaded and fail."""
+    """The inductor cache directory: ``$TORCHINDUCTOR_CACHE_DIR`` if set (by you, or by inductor itself
+    for a process that compiled before lowmem did), else ``inductor`` under lowmem's cache directory
+    (set for this process, before inductor first reads it)."""
     own = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if own:
         return own
-    from lowmem.techniques import compact_ops
-
-    digest = hashlib.sha256(Path(compact_ops.__file__).read_bytes()).hexdigest()[:12]
-    directory = kernel_cache.cache_dir() / "inductor" / f"ops-{digest}"
+    directory = kernel_cache.cache_dir() / "inductor"
     kernel_cache.private_directory(directory)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
     return str(directory)
