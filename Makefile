@@ -69,7 +69,12 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) scripts/plan_targets.py
 	$(PY) scripts/compile_breaks.py
 	$(PY) scripts/bench_compile.py
-	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) scripts/bench_compile.py
+	$(PY) scripts/bench_compile.py --cpu-compute native
+	$(PY) scripts/bench_compile.py --models
+	$(PY) scripts/bench_compile.py --models --cpu-compute native
+	$(PY) scripts/bench_compile.py --optimizer
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) scripts/bench_compile.py --rows 2,3,6,full
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) scripts/bench_compile.py --models
 
 # 8- and 4-bit optimizer state against 16-bit: WRN-28-2 and DynamicConv accuracy over 3 seeds
 # (~90 min on 2 CPU cores; resumable: finished runs are kept under outputs/bench_state_bits).

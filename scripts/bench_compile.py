@@ -294,14 +294,14 @@ def optimizer_steps(args: argparse.Namespace) -> None:
     """WRN-28-2's optimizer step alone (gradients given): lowmem's optimizers, which run eagerly
     (one C loop over the parameters: stochastic rounding of 16-bit weights, 8/4-bit state), against
     ``torch.optim``'s (foreach) eagerly and with the step compiled (``torch.compile``), on the same
-    parameters in the same dtype. Whether compiling the step would pay."""
+    parameters in the same dtypes. Whether compiling the step would pay."""
     size = ["model.depth=28", "model.width=2", "data.batch_size=100", "data.train_size=200", "data.test_size=20"]
     configurations = {
-        "SGD momentum, BF16 weights": (["precision=bf16"], torch.bfloat16, "sgd"),
-        "SGD momentum, FP32": (["precision=fp32"], torch.float32, "sgd"),
-        "SGD momentum 8-bit state, BF16 weights": (["precision=bf16", "optim.state_bits=8"], torch.bfloat16, "sgd"),
+        "SGD momentum, BF16 weights": (["precision=bf16"], "sgd"),
+        "SGD momentum, FP32": (["precision=fp32"], "sgd"),
+        "SGD momentum 8-bit state, BF16 weights": (["precision=bf16", "optim.state_bits=8"], "sgd"),
         "Adam 8-bit state, BF16 weights": (["precision=bf16", "optim.state_bits=8", "optim.name=adam",
-                                            "optim.lr=0.001"], torch.bfloat16, "adam"),
+                                            "optim.lr=0.001"], "adam"),
     }  # fmt: skip
     lines = [
         f"CPU: {cpu_name()} | torch {torch.__version__} | threads {torch.get_num_threads()} | WRN-28-2 "
@@ -311,12 +311,12 @@ def optimizer_steps(args: argparse.Namespace) -> None:
         "compiled |",
         "|---|---|---|---|---|",
     ]
-    for name, (overrides, dtype, kind) in configurations.items():
+    for name, (overrides, kind) in configurations.items():
         trainer = build_trainer(compose(*BASE, *size, *overrides))
         ours = [p for p in trainer.unwrapped_model.parameters() if p.requires_grad]
         plain = [torch.nn.Parameter(p.detach().clone()) for p in ours]
         for p in (*ours, *plain):
-            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(dtype) * 1e-3
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p.dtype) * 1e-3
         make = {
             "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4),
             "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.9, 0.98), weight_decay=5e-4),

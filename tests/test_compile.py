@@ -380,7 +380,8 @@ def test_inductor_cache_keys_hold_the_version_of_lowmem_operators():
     from lowmem.techniques import compact_ops
 
     digest = hashlib.sha256(open(compact_ops.__file__, "rb").read()).hexdigest()[:16]
-    assert compact_ops.OperatorsVersion().uuid() == f"lowmem operators {digest}"
+    assert compact_ops.OperatorsVersion().uuid().startswith(f"lowmem operators {digest} ")
+    assert torch.backends.cpu.get_cpu_capability() in compact_ops.OperatorsVersion().uuid()
     assert isinstance(inductor_config.post_grad_custom_post_pass, compact_ops.OperatorsVersion)
 
     class Yours(compact_ops.CustomGraphPass):

@@ -24,6 +24,7 @@ changes nothing), wherever the cache lies.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import torch
@@ -243,7 +244,11 @@ embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_set
 
 class OperatorsVersion(CustomGraphPass):
     """A post-grad graph pass that changes nothing; its ``uuid`` (a digest of this module's source:
-    the operators and their fake kernels) is part of inductor's cache key for every graph."""
+    the operators and their fake kernels; and the instruction sets torch and oneDNN run at) is part
+    of inductor's cache key for every graph. The instruction sets: a process restricted to AVX2
+    (``ATEN_CPU_CAPABILITY=avx2``) that loaded graphs cached by an AVX-512 process crashed in a
+    compiled max-pool backward (resnet18, compact sparse; an index out of bounds), and ran with a
+    cache of its own."""
 
     digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
@@ -251,7 +256,8 @@ class OperatorsVersion(CustomGraphPass):
         pass
 
     def uuid(self) -> str:
-        return f"lowmem operators {self.digest}"
+        isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "default"))
+        return f"lowmem operators {self.digest} {torch.backends.cpu.get_cpu_capability()} {isa}"
 
 
 def _enter_version() -> None:
