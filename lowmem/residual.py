@@ -94,11 +94,12 @@ def norm_relu_conv(block: nn.Module, norm: nn.Module, conv: nn.Module, x: torch.
     if torch.compiler.is_compiling() or COMPILED_BLOCK in block.__dict__:
         triples = COMPILED_TRIPLES
         # Counted eagerly, and in compiled code only where a checkpointed segment's runner set the
-        # count (model-level compiled code reads nothing it would have to guard on).
+        # count (model-level compiled code reads nothing it would have to guard on). Only compiled
+        # code leaves a convolution unread (a runner stopped by an error leaves `unread` set).
         if triples.unread >= 0 or not torch.compiler.is_compiling():
             index = triples.count
             triples.count = index + 1
-            if index == triples.unread:
+            if index == triples.unread and torch.compiler.is_compiling():
                 return unread_conv(conv, relu_of_norm(norm(x), x))
         return plain_norm_relu_conv(norm, conv, x)
     compute = getattr(block, "_norm_relu_conv", plain_norm_relu_conv)

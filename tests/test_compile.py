@@ -413,3 +413,22 @@ def test_amp_residual_star_compiled_ends_where_eager_ends(density):
             trainer.train_step(next(batches))
         ends.append({k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()})
     assert _relative_difference(*ends) <= 4e-3, _relative_difference(*ends)  # BF16 unit roundoff 3.9e-3
+
+
+def test_an_unread_triple_left_set_is_never_skipped_by_eager_code():
+    """A compiled rebuild stopped by an error leaves ``COMPILED_TRIPLES.unread`` set: eager code (a
+    watched forward of a compiled block) still computes every convolution."""
+    from lowmem.residual import COMPILED_BLOCK, COMPILED_TRIPLES
+    from recipes.wrn_cifar.model import WideResNet
+
+    torch.manual_seed(0)
+    model = WideResNet(depth=10, width=1).double()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    expected = model(x)
+    for block in model.residual_blocks:
+        block.__dict__[COMPILED_BLOCK] = "inductor"
+    COMPILED_TRIPLES.count, COMPILED_TRIPLES.unread = 0, 1
+    try:
+        assert torch.equal(model(x), expected)
+    finally:
+        COMPILED_TRIPLES.count, COMPILED_TRIPLES.unread = 0, -1
