@@ -169,8 +169,7 @@ def densify(
     memory_format: torch.memory_format = torch.contiguous_format,
 ) -> torch.Tensor:  # fmt: skip
     """The dense weight of ``shape``: ``values`` at their positions, zeros elsewhere (no autograd), in
-    ``memory_format`` (channels-last: written in position order, then copied; a C loop writing it in
-    place was twice as slow, its positions' order being the other one)."""
+    ``memory_format`` (channels-last: written in position order, then copied)."""
     if _copied_in_c(values, columns, row_starts):  # one pass, no index scratch
         dense = values.new_empty(math.prod(shape))
         cpu_kernels.densify(dense, values, columns, row_starts, ROW)

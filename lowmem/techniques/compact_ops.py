@@ -57,8 +57,8 @@ def _none_if_unwanted(tensor: Tensor, wanted: bool) -> Tensor | None:
 
 def layout(x: Tensor) -> torch.memory_format:
     """The memory format a compiled compact convolution computes in: channels-last for a 2-D
-    convolution on a CPU, where oneDNN's kernels run 1.1-2.3x faster in it (and inductor lays a
-    graph's dense convolutions out so: its ``layout_optimization`` on CPUs); as given otherwise.
+    convolution on a CPU, as inductor lays out a graph's dense convolutions there (its
+    ``layout_optimization``; oneDNN's kernels are faster so); as given otherwise.
     The forward's output and the input's gradient come in that format, the fake kernels saying so."""
     return torch.channels_last if x.dim() == 4 and x.device.type == "cpu" else torch.contiguous_format
 
