@@ -227,10 +227,30 @@ class _CpuKernels:
                 library = torch.library.Library("aten", "IMPL")
                 for func, kind in _KIND_OF.items():
                     name = func._schema.name  # "aten::mm": every op here is its default overload
-                    replaced = torch._C._dispatch_get_computed_kernel_for_dispatch_key(name, torch._C.DispatchKey.CPU)
+                    replaced = _cpu_kernel(name)
                     library.impl(name.removeprefix("aten::"), _override(func, kind, replaced), "CPU", with_keyset=True)
                     _NATIVE[func] = functools.partial(replaced.call_boxed, _CPU)
+                    if _writes_out(func):
+                        replaced = _cpu_kernel(f"{name}.out")
+                        library.impl(f"{name.removeprefix('aten::')}.out", _out_override(func, kind, replaced), "CPU",
+                                     with_keyset=True)  # fmt: skip
                 cls._library = library
+
+
+def _cpu_kernel(name: str):
+    return torch._C._dispatch_get_computed_kernel_for_dispatch_key(name, torch._C.DispatchKey.CPU)
+
+
+def _writes_out(func) -> bool:
+    """Whether ``func`` has an ``out=`` overload writing one tensor (``torch.mm(a, b, out=c)``):
+    compiled code calls the matrix products so (inductor's ``extern_kernels.mm(..., out=buf)``), and
+    without its override a compiled 16-bit step ran torch's native kernels, 20-60x slower than FP32
+    where they are reference kernels (AVX2)."""
+    packet = func.overloadpacket
+    if "out" not in packet.overloads():
+        return False
+    outs = [argument.name for argument in packet.out._schema.arguments if argument.is_out]
+    return outs == ["out"]
 
 
 def _override(func, kind: str, replaced) -> Callable:
@@ -242,6 +262,25 @@ def _override(func, kind: str, replaced) -> Callable:
                     return context.compute(func, kind, dtype, args, kwargs)
                 break
         return replaced.call_boxed(keyset, *args, **kwargs)
+
+    return kernel
+
+
+def _out_override(func, kind: str, replaced) -> Callable:
+    """The override of ``func``'s ``out=`` overload: ``func`` computed as ``_override`` does (FP32,
+    rounded once), copied into ``out`` (resized as ``out=`` overloads resize an empty one)."""
+
+    def kernel(keyset, *args, out, **kwargs):
+        for context in reversed(_contexts()):
+            if kind in context.kinds:
+                dtype = _operand_dtype(args, kwargs)
+                if dtype is not None and out.dtype == dtype and out.device.type == "cpu":
+                    result = context.compute(func, kind, dtype, args, kwargs)
+                    if out.shape != result.shape:
+                        out.resize_(result.shape)
+                    return out.copy_(result)
+                break
+        return replaced.call_boxed(keyset, *args, out=out, **kwargs)
 
     return kernel
 
@@ -535,7 +574,7 @@ def probe_choices(dtype: torch.dtype) -> tuple[tuple[str, str], ...]:
 
 # Part of a record's key: a change to the probe or to the rule (NATIVE_MUST_WIN, PROBE_REPEATS, the
 # probe's problems) makes every machine decide again.
-PROBE_VERSION = 3
+PROBE_VERSION = 4
 RECORD = "cpu_compute.json"  # in lowmem.kernels.cpu.cache_dir(), beside the compiled kernels
 
 
@@ -657,20 +696,26 @@ def _recorded_choices(entry: object, machine: dict[str, object]) -> dict[str, st
 
 
 def feature_choices(dtype: torch.dtype) -> dict[str, str]:
-    """``auto``'s choice without timing anything (``trainer.deterministic=true``): native for every
-    kind where the CPU has AMX tiles for BF16 (``amx_bf16``) and torch and oneDNN may use them
-    (capability AVX-512; no lower ``ONEDNN_MAX_CPU_ISA``): there native BF16 is about twice FP32's
-    speed. FP32 everywhere else: without AMX the two ways are within 2x of each other either way, or
-    native is a reference kernel 20-200x slower; FP16 convolution backward is slow even with
-    AVX-512-FP16."""
-    flags = kernel_cache.cpu_identity()[1].split()
+    """``auto``'s choice without timing anything (close calls, and ``trainer.deterministic=true``):
+    native BF16 for every kind where torch and oneDNN may use AVX-512 (capability AVX-512; no lower
+    ``ONEDNN_MAX_CPU_ISA``) and the CPU has AMX tiles for BF16 (``amx_bf16``: about twice FP32's
+    speed) or is an AMD one with AVX-512-BF16 (Zen 4 on: a whole WRN-28-2 BF16 step natively
+    0.5-0.6x FP32's time, while its probe's convolutions are close calls, 1.4-1.55x). FP32
+    everywhere else: on an Intel CPU with AVX-512-BF16 but no AMX a whole WRN-28-2 step is 1.4x
+    slower natively; elsewhere native is a reference kernel 20-200x slower; FP16 convolution
+    backward is slow even with AVX-512-FP16."""
+    model, flags = kernel_cache.cpu_identity()
+    flags = flags.split()
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
-    amx = (
-        "amx_bf16" in flags
-        and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-        and (isa in ("ALL", "DEFAULT") or "AMX" in isa)
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    amx = "amx_bf16" in flags and avx512 and (isa in ("ALL", "DEFAULT") or "AMX" in isa)
+    amd_bf16 = (
+        model.upper().startswith("AMD")
+        and "avx512_bf16" in flags
+        and avx512
+        and (isa in ("ALL", "DEFAULT") or "BF16" in isa or "FP16" in isa or "AMX" in isa)
     )
-    return dict.fromkeys(KINDS, "native" if dtype == torch.bfloat16 and amx else "fp32")
+    return dict.fromkeys(KINDS, "native" if dtype == torch.bfloat16 and (amx or amd_bf16) else "fp32")
 
 
 def decide(dtype: torch.dtype, seconds: Callable[..., float]) -> dict[str, str]:
