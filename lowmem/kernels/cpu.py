@@ -76,6 +76,8 @@ _SIGNATURES |= {
 _SIGNATURES |= {
     "lowmem_densify": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i32],
     "lowmem_gather": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i32],
+    "lowmem_densify_cl": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i32, _i64, _i64],
+    "lowmem_gather_cl": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i64, _i64],
     "lowmem_quantize_activation": [_i64, _ptr, _i32, _i32, ctypes.c_uint32, _i64, _i64, _ptr, _ptr, _ptr],
     "lowmem_dequantize_activation": [_i64, _ptr, _ptr, _ptr, _i32, _ptr, _i32, _i64, _i64],
     "lowmem_norm_relu": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i64, _i64],
@@ -444,27 +446,40 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def copies_compact(*tensors: torch.Tensor) -> bool:
     """Whether ``densify`` / ``gather`` below can take these tensors: plain (no subclass but a
     parameter), contiguous CPU tensors of 2, 4 or 8-byte elements, with the C kernels built."""
-    return (
-        all(t.device.type == "cpu" and t.is_contiguous() and type(t) in _PLAIN for t in tensors)
-        and tensors[0].element_size() in (2, 4, 8)
-        and library() is not None
-    )
+    for tensor in tensors:  # a loop, not all(...): called several times per compact layer and step
+        if type(tensor) not in _PLAIN or not tensor.is_cpu or not tensor.is_contiguous():
+            return False
+    return tensors[0].element_size() in (2, 4, 8) and library() is not None
 
 
 def densify(
     dense: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, row: int
 ) -> None:
-    """``dense`` (flat) := zeros with ``values`` at their positions (see ``lowmem.techniques.compact``)."""
+    """``dense`` := zeros with ``values`` at their positions (see ``lowmem.techniques.compact``):
+    flat, or a 4-d channels-last tensor (the positions are those of the contiguous weight)."""
+    rows, size = row_starts.numel() - 1, dense.element_size()
+    if dense.dim() == 4 and not dense.is_contiguous():  # channels-last
+        channels, kernel = dense.shape[1], dense.shape[2] * dense.shape[3]
+        library().lowmem_densify_cl(dense.data_ptr(), values.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
+                                    rows, dense.numel(), row, size, channels, kernel)  # fmt: skip
+        return
     library().lowmem_densify(dense.data_ptr(), values.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
-                             row_starts.numel() - 1, dense.numel(), row, dense.element_size())  # fmt: skip
+                             rows, dense.numel(), row, size)  # fmt: skip
 
 
 def gather(
     out: torch.Tensor, dense: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, row: int
 ) -> None:
-    """``out`` := the entries of ``dense`` (flat, ``out``'s dtype) at the active positions."""
+    """``out`` := the entries of ``dense`` (``out``'s dtype; flat, or a 4-d channels-last tensor) at
+    the active positions."""
+    rows, size = row_starts.numel() - 1, out.element_size()
+    if dense.dim() == 4 and not dense.is_contiguous():  # channels-last
+        channels, kernel = dense.shape[1], dense.shape[2] * dense.shape[3]
+        library().lowmem_gather_cl(out.data_ptr(), dense.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
+                                   rows, row, size, channels, kernel)  # fmt: skip
+        return
     library().lowmem_gather(out.data_ptr(), dense.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
-                            row_starts.numel() - 1, row, out.element_size())  # fmt: skip
+                            rows, row, size)  # fmt: skip
 
 
 # --- recomputed BatchNorm-ReLU ------------------------------------------------------------------
