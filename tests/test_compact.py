@@ -290,26 +290,6 @@ def test_densify_and_gather_give_the_flat_positions_results_bitwise(dtype, grad_
     exact(compact.gather(dense_grad.contiguous(memory_format=torch.channels_last), *index, dtype), gathered)
 
 
-@pytest.mark.parametrize(("shape", "density"), [((64, 48, 1, 1), 0.1), ((20, 3, 5, 5), 0.02), ((40, 1, 3, 3), 0.3),
-                                              ((16, 4000, 3, 3), 0.05), ((8, 8, 3, 3), 1.0)])  # fmt: skip
-@pytest.mark.parametrize("kernels", ["auto", "torch"])
-def test_channels_last_densify_and_gather_walk_every_gap(shape, density, kernels, monkeypatch):
-    """The C loops place each entry channels-last by the gap from the one before (no division):
-    gaps across taps, input channels, output channels and rows of 2^15 entries, 1x1 kernels, one
-    input channel, every entry active."""
-    monkeypatch.setenv("LOWMEM_KERNELS", kernels)
-    positions = random_positions(math.prod(shape), density)
-    index = compact.encode(positions, math.prod(shape))
-    values = torch.randn(positions.numel(), dtype=torch.float64).to(torch.bfloat16)
-    expected = values.new_zeros(math.prod(shape)).index_put_((positions.int(),), values).view(shape)
-    laid_out = compact.densify(values, *index, shape, torch.channels_last)
-    assert laid_out.is_contiguous(memory_format=torch.channels_last)
-    exact(laid_out, expected)
-    dense_grad = torch.randn(shape, dtype=torch.float64).to(torch.bfloat16)
-    dense_grad = dense_grad.contiguous(memory_format=torch.channels_last)
-    exact(compact.gather(dense_grad, *index, torch.bfloat16), dense_grad.reshape(-1).index_select(0, positions))
-
-
 def test_a_weight_of_any_width_keeps_16_bit_columns_and_computes_exactly():
     # 70,000 inputs per output: wider than 16 bits could index within an output row; rows of 2^15
     # entries need no wider fallback.

@@ -76,8 +76,6 @@ _SIGNATURES |= {
 _SIGNATURES |= {
     "lowmem_densify": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i32],
     "lowmem_gather": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i32],
-    "lowmem_densify_cl": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i32, _i64, _i64],
-    "lowmem_gather_cl": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i64, _i64],
     "lowmem_quantize_activation": [_i64, _ptr, _i32, _i32, ctypes.c_uint32, _i64, _i64, _ptr, _ptr, _ptr],
     "lowmem_dequantize_activation": [_i64, _ptr, _ptr, _ptr, _i32, _ptr, _i32, _i64, _i64],
     "lowmem_norm_relu": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i64, _i64],
@@ -455,31 +453,17 @@ def copies_compact(*tensors: torch.Tensor) -> bool:
 def densify(
     dense: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, row: int
 ) -> None:
-    """``dense`` := zeros with ``values`` at their positions (see ``lowmem.techniques.compact``):
-    flat, or a 4-d channels-last tensor (the positions are those of the contiguous weight)."""
-    rows, size = row_starts.numel() - 1, dense.element_size()
-    if dense.dim() == 4 and not dense.is_contiguous():  # channels-last
-        channels, kernel = dense.shape[1], dense.shape[2] * dense.shape[3]
-        library().lowmem_densify_cl(dense.data_ptr(), values.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
-                                    rows, dense.numel(), row, size, channels, kernel)  # fmt: skip
-        return
+    """``dense`` (flat) := zeros with ``values`` at their positions (see ``lowmem.techniques.compact``)."""
     library().lowmem_densify(dense.data_ptr(), values.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
-                             rows, dense.numel(), row, size)  # fmt: skip
+                             row_starts.numel() - 1, dense.numel(), row, dense.element_size())  # fmt: skip
 
 
 def gather(
     out: torch.Tensor, dense: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, row: int
 ) -> None:
-    """``out`` := the entries of ``dense`` (``out``'s dtype; flat, or a 4-d channels-last tensor) at
-    the active positions."""
-    rows, size = row_starts.numel() - 1, out.element_size()
-    if dense.dim() == 4 and not dense.is_contiguous():  # channels-last
-        channels, kernel = dense.shape[1], dense.shape[2] * dense.shape[3]
-        library().lowmem_gather_cl(out.data_ptr(), dense.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
-                                   rows, row, size, channels, kernel)  # fmt: skip
-        return
+    """``out`` := the entries of ``dense`` (flat, ``out``'s dtype) at the active positions."""
     library().lowmem_gather(out.data_ptr(), dense.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
-                            rows, row, size)  # fmt: skip
+                            row_starts.numel() - 1, row, out.element_size())  # fmt: skip
 
 
 # --- recomputed BatchNorm-ReLU ------------------------------------------------------------------

@@ -352,46 +352,6 @@ void lowmem_gather(void *out, const void *dense, const int16_t *columns, const i
     else { GATHER(uint64_t) }
 }
 
-/* The same copies with the dense tensor channels-last: a weight of `channels` input channels and
- * `kernel` = kh * kw taps per channel, whose entry at flat position ((o * channels + c) * kernel + k)
- * (contiguous order, the columns' order) sits at ((o * kernel + k) * channels + c). The positions come
- * in increasing order, so (o, c, k) advances by the gap from the last one: no division per entry. */
-#define CHANNELS_LAST_WALK(T, STATEMENT)                                                           \
-    {                                                                                               \
-        int64_t last = 0, o = 0, c = 0, k = 0;                                                      \
-        for (int64_t r = 0; r < rows; r++)                                                          \
-            for (int64_t i = row_starts[r]; i < row_starts[r + 1]; i++) {                           \
-                int64_t position = r * row + columns[i];                                            \
-                k += position - last;                                                               \
-                last = position;                                                                    \
-                while (k >= kernel) {                                                               \
-                    k -= kernel;                                                                    \
-                    if (++c == channels) { c = 0; o++; }                                            \
-                }                                                                                   \
-                int64_t at = (o * kernel + k) * channels + c;                                       \
-                STATEMENT;                                                                          \
-            }                                                                                       \
-    }
-
-#define DENSIFY_CL(T) CHANNELS_LAST_WALK(T, ((T *)dense)[at] = ((const T *)values)[i])
-#define GATHER_CL(T) CHANNELS_LAST_WALK(T, ((T *)out)[i] = ((const T *)dense)[at])
-
-void lowmem_densify_cl(void *dense, const void *values, const int16_t *columns, const int64_t *row_starts,
-                       int64_t rows, int64_t numel, int64_t row, int element_size, int64_t channels,
-                       int64_t kernel) {
-    memset(dense, 0, (size_t)(numel * element_size));
-    if (element_size == 2) DENSIFY_CL(uint16_t)
-    else if (element_size == 4) DENSIFY_CL(uint32_t)
-    else DENSIFY_CL(uint64_t)
-}
-
-void lowmem_gather_cl(void *out, const void *dense, const int16_t *columns, const int64_t *row_starts, int64_t rows,
-                      int64_t row, int element_size, int64_t channels, int64_t kernel) {
-    if (element_size == 2) GATHER_CL(uint16_t)
-    else if (element_size == 4) GATHER_CL(uint32_t)
-    else GATHER_CL(uint64_t)
-}
-
 /* Saved activations quantized for backward (lowmem/techniques/compression.py, whose torch version is
  * the definition, operation for operation): groups of ACTIVATION_GROUP elements, each with its minimum
  * and step (FP32; the last group padded with its last value), codes floor((x - min) * (1 / step) + u)

@@ -169,13 +169,8 @@ def densify(
     memory_format: torch.memory_format = torch.contiguous_format,
 ) -> torch.Tensor:  # fmt: skip
     """The dense weight of ``shape``: ``values`` at their positions, zeros elsewhere (no autograd), in
-    ``memory_format`` (channels-last: written so by the C loop, else written in position order and
-    copied)."""
+    ``memory_format`` (channels-last: written in position order, then copied)."""
     if _copied_in_c(values, columns, row_starts):  # one pass, no index scratch
-        if _is_channels_last(memory_format, shape):
-            dense = torch.empty(shape, dtype=values.dtype, device=values.device, memory_format=memory_format)
-            cpu_kernels.densify(dense, values, columns, row_starts, ROW)
-            return dense
         dense = values.new_empty(math.prod(shape))
         cpu_kernels.densify(dense, values, columns, row_starts, ROW)
     else:
@@ -183,13 +178,9 @@ def densify(
         for entries, positions in positions_by_chunk(columns, row_starts, DENSIFY_CHUNK):
             dense.index_copy_(0, positions, values[entries])
             del positions  # before the next chunk's are built
-    if _is_channels_last(memory_format, shape):
+    if memory_format == torch.channels_last and len(shape) == 4:
         return dense.view(shape).contiguous(memory_format=memory_format)
     return dense.view(shape)
-
-
-def _is_channels_last(memory_format: torch.memory_format, shape: Sequence[int]) -> bool:
-    return memory_format == torch.channels_last and len(shape) == 4
 
 
 def gather(
@@ -197,15 +188,10 @@ def gather(
 ) -> torch.Tensor:
     """The entries of ``dense_grad`` (any layout) at the active positions, in ``dtype`` (the compact
     values' gradient). The indices are int32 where the weight allows (half the scratch of int64)."""
-    # Made like the columns (model state): activation profilers see a weight gradient, not an activation's.
-    out = torch.empty_like(columns, dtype=dtype, device=dense_grad.device)
-    channels_last = dense_grad.dim() == 4 and dense_grad.is_contiguous(memory_format=torch.channels_last)
-    if channels_last and dtype == dense_grad.dtype and type(dense_grad) is torch.Tensor and dense_grad.is_cpu \
-            and _copied_in_c(out, columns, row_starts):  # fmt: skip
-        cpu_kernels.gather(out, dense_grad, columns, row_starts, ROW)  # read where it is: no contiguous copy
-        return out
     flat = dense_grad.reshape(-1)
     index_dtype = torch.int32 if flat.numel() <= torch.iinfo(torch.int32).max else torch.int64
+    # Made like the columns (model state): activation profilers see a weight gradient, not an activation's.
+    out = torch.empty_like(columns, dtype=dtype, device=flat.device)
     if dtype == flat.dtype and _copied_in_c(flat, columns, row_starts):
         cpu_kernels.gather(out, flat, columns, row_starts, ROW)
         return out
