@@ -76,6 +76,11 @@ OPS = [
     ("addbmm_out", "matmul", lambda c, a, b: torch.addbmm(c, a, b, out=torch.empty_like(c)),
      [(7, 5), (3, 7, 9), (3, 9, 5)]),
     ("addmv_out", "matmul", lambda c, a, b: torch.addmv(c, a, b, out=torch.empty_like(c)), [(7,), (7, 9), (9,)]),
+    ("mv_out", "matmul", lambda a, b: torch.mv(a, b, out=torch.empty(7, dtype=a.dtype)), [(7, 9), (9,)]),
+    ("dot_out", "matmul", lambda a, b: torch.dot(a, b, out=torch.empty((), dtype=a.dtype)), [(33,), (33,)]),
+    ("convolution_out", "convolution", lambda x, w: aten.convolution.out(
+        x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, out=torch.empty(0, dtype=x.dtype)),
+     [(2, 3, 7, 7), (5, 3, 3, 3)]),
     ("attention", "matmul", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
      [(2, 3, 6, 8), (2, 3, 6, 8), (2, 3, 6, 8)]),
     ("attention_masked", "matmul", lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),

@@ -8,7 +8,8 @@ that arithmetic, at FP32's speed.
 
 ``Fp32Arithmetic`` (a context manager) does it for the compute-heavy ops — convolution forward
 and backward, the matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ... which ``linear``,
-``matmul`` and ``einsum`` become) and CPU scaled-dot-product attention forward and backward — in
+``matmul`` and ``einsum`` become, and their ``out=`` forms, which compiled code calls) and CPU
+scaled-dot-product attention forward and backward — in
 forward, recomputation and backward alike, by overriding those ops' CPU kernels while it is
 entered (every other op runs untouched, at no cost). What is stored stays 16-bit: autograd saves
 the op's 16-bit operands (it records above the kernels), and every result is rounded to the
@@ -22,7 +23,7 @@ see; ``measure_scratch`` measures them (``tests/test_cpu_compute.py`` bounds the
 - ``auto`` (default): per kind of op (``KINDS``) and dtype, by a probe timed once per machine
   (``probe_choices``): native only where it is clearly faster than FP32 on the probe
   (``NATIVE_MUST_WIN``: 1.4x), FP32 where it is not, and a close call (within ``CLOSE_CALL``, 1.3x,
-  of that bar either way) as the CPU's flags say (``feature_choices``), never by timing. Native
+  of that bar either way) as the CPU's model and flags say (``feature_choices``), never by timing. Native
   kernels range from twice FP32's speed (AMX; an AMD EPYC with AVX-512-BF16: a whole WRN-28-2 BF16
   step natively in 0.54x FP32's time) to 200 times slower (FP16 convolution backward on AVX-512),
   and per op from 0.6x to 1.5x FP32's time on the same CPU (an Intel Xeon with AVX-512-BF16 without
