@@ -27,9 +27,39 @@ NormReluConv = Callable[[nn.Module, nn.Module, torch.Tensor], torch.Tensor]
 
 
 # A block of a checkpointed segment that runs compiled (``lowmem.techniques.compilation``; the value is
-# the compiler's backend): its norm-ReLU-conv triples are plain, compiled or not, so that its eager
+# a ``CompiledMark``): its norm-ReLU-conv triples are plain, compiled or not, so that its eager
 # and compiled runs compute alike and the compiler's partitioner does what ``no_bn`` would.
 COMPILED_BLOCK = "_lowmem_compiled_block"
+
+
+class CompiledMark:
+    """``COMPILED_BLOCK``'s value: the compiler's backend. A copy of the block (``copy.deepcopy``,
+    ``torch.save``) is not compiled, as ``nn.Module`` drops its own compiled forward from copies: the
+    mark copies as None, and a copied model runs its blocks eagerly until compiled again."""
+
+    __slots__ = ("backend",)
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+
+    def __reduce__(self) -> tuple:
+        return _not_compiled, ()
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"CompiledMark({self.backend!r})"
+
+
+def _not_compiled() -> None:
+    return None
+
+
+def compiled_backend(block: nn.Module) -> str | None:
+    """The backend ``block`` runs compiled with in checkpointed segments, or None."""
+    mark = block.__dict__.get(COMPILED_BLOCK)
+    return None if mark is None else mark.backend
 
 
 def run_sequentially(blocks: Sequence[nn.Module], x: torch.Tensor, context: tuple) -> torch.Tensor:
@@ -91,7 +121,7 @@ def norm_relu_conv(block: nn.Module, norm: nn.Module, conv: nn.Module, x: torch.
     Compiled code computes it plainly: the compiler's partitioner recomputes the norm and the ReLU in
     backward instead of saving their outputs, as ``no_bn`` does eagerly; the triple
     ``COMPILED_TRIPLES`` names as unread computes no convolution (``unread_conv``)."""
-    if torch.compiler.is_compiling() or COMPILED_BLOCK in block.__dict__:
+    if torch.compiler.is_compiling() or compiled_backend(block) is not None:
         triples = COMPILED_TRIPLES
         # Counted eagerly, and in compiled code only where a checkpointed segment's runner set the
         # count (model-level compiled code reads nothing it would have to guard on). Only compiled

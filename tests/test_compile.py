@@ -418,7 +418,7 @@ def test_amp_residual_star_compiled_ends_where_eager_ends(density):
 def test_an_unread_triple_left_set_is_never_skipped_by_eager_code():
     """A compiled rebuild stopped by an error leaves ``COMPILED_TRIPLES.unread`` set: eager code (a
     watched forward of a compiled block) still computes every convolution."""
-    from lowmem.residual import COMPILED_BLOCK, COMPILED_TRIPLES
+    from lowmem.residual import COMPILED_BLOCK, COMPILED_TRIPLES, CompiledMark
     from recipes.wrn_cifar.model import WideResNet
 
     torch.manual_seed(0)
@@ -426,9 +426,40 @@ def test_an_unread_triple_left_set_is_never_skipped_by_eager_code():
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     expected = model(x)
     for block in model.residual_blocks:
-        block.__dict__[COMPILED_BLOCK] = "inductor"
+        block.__dict__[COMPILED_BLOCK] = CompiledMark("inductor")
     COMPILED_TRIPLES.count, COMPILED_TRIPLES.unread = 0, 1
     try:
         assert torch.equal(model(x), expected)
     finally:
         COMPILED_TRIPLES.count, COMPILED_TRIPLES.unread = 0, -1
+
+
+def test_a_copied_or_saved_compiled_model_runs_its_blocks_eagerly(tmp_path):
+    """``nn.Module`` drops its compiled forward from copies (``copy.deepcopy``, ``torch.save``); the
+    marks that run lowmem's checkpointed blocks compiled are dropped with it, so a copy (an EMA
+    model, a saved model loaded for evaluation or further training) compiles nothing until it is
+    compiled again, and computes what the compiled original computes."""
+    from lowmem.residual import compiled_backend
+    from lowmem.techniques.compilation import checkpointed_blocks, graphs_compiled
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), *[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)],
+                          nn.Linear(64, 4)).double()  # fmt: skip
+    batch = (torch.randn(32, 8, dtype=torch.float64), torch.randint(0, 4, (32,)))
+    overrides = ["precision=fp64", "checkpointing.strategy=residual", "trainer.compile=true",
+                 "trainer.compile_backend=aot_eager"]  # fmt: skip
+    run = lowmem.prepare(model, _classify, batch, overrides)
+    for _ in range(2):
+        run.step(batch)
+    blocks = checkpointed_blocks(run.model)
+    assert blocks and all(compiled_backend(block) == "aot_eager" for block in blocks)
+    torch.save(run.model, tmp_path / "model.pt")
+    copies = [copy.deepcopy(run.model), torch.load(tmp_path / "model.pt", weights_only=False)]
+    assert all(compiled_backend(block) is not None for block in blocks)  # the original stays compiled
+    for clone in copies:
+        assert all(compiled_backend(block) is None for block in checkpointed_blocks(clone))
+        before = graphs_compiled()
+        _classify(clone, batch).backward()
+        assert graphs_compiled() == before, "a copy compiled its blocks"
+        with torch.no_grad():
+            assert torch.allclose(clone(batch[0]), run.model(batch[0]), rtol=1e-12, atol=1e-12)

@@ -60,8 +60,8 @@ from torch import nn
 from lowmem import kernels
 from lowmem.kernels import cpu as cpu_kernels
 from lowmem.residual import (
-    COMPILED_BLOCK,
     COMPILED_TRIPLES,
+    compiled_backend,
     conv_output_shape,
     plain_norm_relu_conv,
     relu_of_norm,
@@ -314,7 +314,7 @@ class _CheckpointedSegment(torch.autograd.Function):
         # trainer.compile: the blocks run compiled, unwatched, once a watched eager forward found no
         # side output for this input (lowmem.techniques.compilation); the recomputation runs as the
         # forward ran, so that its self-check compares like with like.
-        compiled = compiled_call(segment[0]) if all(COMPILED_BLOCK in b.__dict__ for b in segment) else None
+        compiled = compiled_call(segment[0]) if all(compiled_backend(b) is not None for b in segment) else None
         key = checked_key(segment, x, context) if compiled is not None else None
         checked = segment[0].__dict__.setdefault(_CHECKED, set()) if compiled is not None else set()
         ctx.compiled = compiled if key in checked else None

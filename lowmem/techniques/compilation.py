@@ -50,7 +50,7 @@ from torch import nn
 
 from lowmem.kernels import cpu as kernel_cache
 from lowmem.profiler.report import CHAINS_ATTRIBUTE
-from lowmem.residual import COMPILED_BLOCK, COMPILED_TRIPLES, residual_stacks
+from lowmem.residual import COMPILED_BLOCK, COMPILED_TRIPLES, CompiledMark, compiled_backend, residual_stacks
 from lowmem.techniques.compact import compact_layers, compiles_whole
 from lowmem.techniques.shards import is_fsdp_module
 
@@ -131,7 +131,7 @@ def compiled_call(block: nn.Module, how: str = "module") -> Callable | None:
     convolution output (``lowmem.residual.COMPILED_TRIPLES``); None where ``block`` is not marked
     compiled (``mark_compiled_blocks``). One compiled function for all blocks: the compiler's
     graphs are shared by blocks of one class and shapes (their parameters are graph inputs)."""
-    backend = block.__dict__.get(COMPILED_BLOCK)
+    backend = compiled_backend(block)
     if backend is None:
         return None
     key = (backend, how)
@@ -145,7 +145,7 @@ def mark_compiled_blocks(blocks: list[nn.Module], backend: str) -> None:
     alike, once a forward watched eagerly found no side outputs for their input (``checked_key``);
     their norm-ReLU-conv triples plain (``lowmem.residual.COMPILED_BLOCK``)."""
     for block in blocks:
-        block.__dict__[COMPILED_BLOCK] = backend
+        block.__dict__[COMPILED_BLOCK] = CompiledMark(backend)
 
 
 def checked_key(blocks: list[nn.Module], x: torch.Tensor, context: tuple = ()) -> tuple:
