@@ -42,11 +42,8 @@ class CompiledMark:
     def __init__(self, backend: str) -> None:
         self.backend = backend
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple:  # what pickle and copy.deepcopy build a copy from
         return _not_compiled, ()
-
-    def __deepcopy__(self, memo: dict) -> None:
-        return None
 
     def __repr__(self) -> str:
         return f"CompiledMark({self.backend!r})"

@@ -112,7 +112,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
     parser.add_argument("--cpu-compute", default="auto", help="precision.cpu_compute of the lowmem rows")
     parser.add_argument("--profile", action="store_true",
-                        help="also print where each lowmem step's time goes (torch.profiler, one step each)")
+                        help="also print where each lowmem step's time goes (torch.profiler, one step each; "
+                             "with --models, plain BF16 compiled's too)")
     parser.add_argument("--models", action="store_true", help="the any-model rows instead of Table 3's")
     parser.add_argument("--only", default=None, help="with --models: the models whose name contains this")
     parser.add_argument("--optimizer", action="store_true",
@@ -279,6 +280,9 @@ def any_model_row(name: str, make_model: Callable, batch: tuple, loss_fn: Callab
             steps[key] = step
     gc.collect()
     t = median_round_robin(steps, args.repeats)
+    if args.profile:
+        for key in ("lowmem eager", "lowmem compiled", f"plain {torch.bfloat16} compiled"):
+            print(f"\n{name} {key}: {where_time_goes(steps[key])}")
     plain16, plain32 = f"plain {torch.bfloat16} compiled", f"plain {torch.float32} compiled"
     ours = t["lowmem compiled"] / flops["lowmem compiled"]
     return (

@@ -137,6 +137,12 @@ def write_atomically(path: Path, data: bytes | Callable[[IO[bytes]], object], mo
         raise
 
 
+def onednn_isa_limit() -> str:
+    """The instruction-set limit oneDNN runs under (``ONEDNN_MAX_CPU_ISA``, or its older name
+    ``DNNL_MAX_CPU_ISA``), as given; "" where none is set."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", ""))
+
+
 @functools.cache
 def cpu_identity() -> tuple[str, str]:
     """This CPU's model name and its ``flags`` line (``/proc/cpuinfo``; else ``platform.processor()``)."""

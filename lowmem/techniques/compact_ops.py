@@ -24,7 +24,6 @@ changes nothing), wherever the cache lies.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from lowmem.kernels import cpu as cpu_kernels
 from lowmem.techniques.compact import (
     CONVOLUTIONS,
     compact_conv,
@@ -256,7 +256,7 @@ class OperatorsVersion(CustomGraphPass):
         pass
 
     def uuid(self) -> str:
-        isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "default"))
+        isa = cpu_kernels.onednn_isa_limit() or "default"
         return f"lowmem operators {self.digest} {torch.backends.cpu.get_cpu_capability()} {isa}"
 
 

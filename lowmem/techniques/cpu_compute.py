@@ -254,14 +254,22 @@ def _writes_out(func) -> bool:
     return outs == ["out"]
 
 
+def _acting(kind: str, args: tuple, kwargs: dict) -> tuple[Fp32Arithmetic, torch.dtype] | None:
+    """The innermost entered context of this thread that wants ``kind``, and the operands' 16-bit
+    dtype; None where no context wants it or the operands are not 16-bit CPU tensors of one dtype."""
+    for context in reversed(_contexts()):
+        if kind in context.kinds:
+            dtype = _operand_dtype(args, kwargs)
+            return None if dtype is None else (context, dtype)
+    return None
+
+
 def _override(func, kind: str, replaced) -> Callable:
     def kernel(keyset, *args, **kwargs):
-        for context in reversed(_contexts()):
-            if kind in context.kinds:
-                dtype = _operand_dtype(args, kwargs)
-                if dtype is not None:
-                    return context.compute(func, kind, dtype, args, kwargs)
-                break
+        acting = _acting(kind, args, kwargs)
+        if acting is not None:
+            context, dtype = acting
+            return context.compute(func, kind, dtype, args, kwargs)
         return replaced.call_boxed(keyset, *args, **kwargs)
 
     return kernel
@@ -272,15 +280,13 @@ def _out_override(func, kind: str, replaced) -> Callable:
     rounded once), copied into ``out`` (resized as ``out=`` overloads resize an empty one)."""
 
     def kernel(keyset, *args, out, **kwargs):
-        for context in reversed(_contexts()):
-            if kind in context.kinds:
-                dtype = _operand_dtype(args, kwargs)
-                if dtype is not None and out.dtype == dtype and out.device.type == "cpu":
-                    result = context.compute(func, kind, dtype, args, kwargs)
-                    if out.shape != result.shape:
-                        out.resize_(result.shape)
-                    return out.copy_(result)
-                break
+        acting = _acting(kind, args, kwargs)
+        if acting is not None and out.dtype == acting[1] and out.device.type == "cpu":
+            context, dtype = acting
+            result = context.compute(func, kind, dtype, args, kwargs)
+            if out.shape != result.shape:
+                out.resize_(result.shape)
+            return out.copy_(result)
         return replaced.call_boxed(keyset, *args, out=out, **kwargs)
 
     return kernel
@@ -588,7 +594,7 @@ def machine_key(dtype: torch.dtype, threads: int) -> dict[str, object]:
         "machine": platform.machine(),
         "torch": torch.__version__,
         "capability": torch.backends.cpu.get_cpu_capability(),  # ATEN_CPU_CAPABILITY lowers it
-        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")),
+        "onednn_max_cpu_isa": kernel_cache.onednn_isa_limit(),
         "threads": threads,
         "dtype": str(dtype).removeprefix("torch."),
         "probe": PROBE_VERSION,
@@ -707,7 +713,7 @@ def feature_choices(dtype: torch.dtype) -> dict[str, str]:
     backward is slow even with AVX-512-FP16."""
     model, flags = kernel_cache.cpu_identity()
     flags = flags.split()
-    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
+    isa = kernel_cache.onednn_isa_limit().upper() or "ALL"
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
     amx = "amx_bf16" in flags and avx512 and (isa in ("ALL", "DEFAULT") or "AMX" in isa)
     amd_bf16 = (

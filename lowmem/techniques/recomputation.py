@@ -66,8 +66,7 @@ def scratch_running_stats(modules: Iterable[nn.Module]) -> Iterator[None]:
     The buffers are swapped rather than copied back afterwards: autograd may have saved the
     scratch tensors, and restoring in place would bump their version counters. They are swapped in
     the module's buffer table itself (what ``setattr`` of a registered buffer does, without its
-    checks: every checkpointed segment's backward swaps a dozen buffers; measured A/B, 5 ms of a
-    0.86 s compiled WRN-28-2 step at microbatches of 4, Table 3's row 6)."""
+    checks: every checkpointed segment's backward swaps a dozen buffers)."""
     swapped = []
     for module in modules:
         if isinstance(module, _BatchNorm) and module.training and module.track_running_stats:
