@@ -210,6 +210,40 @@ def test_the_measured_peak_of_a_compiled_step_agrees_with_the_profiler_memory_ti
     assert peak.peak_bytes < eager * 1.05
 
 
+_QUIET_SCRIPT = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+import lowmem
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+batch = (torch.randn(32, 16), torch.randint(0, 4, (32,)))
+run = lowmem.prepare(model, lambda m, b: F.cross_entropy(m(b[0]), b[1]), batch,
+                     ["trainer.compile=true", "trainer.compile_backend=aot_eager"])
+run.step(batch)
+for _ in range(2):
+    run.profile(measure=True)
+print("measured", run.profile(measure=True)["peak_bytes"] > 0)
+"""
+
+
+def test_measuring_compiled_steps_prints_no_profiler_chatter():
+    """The compiled step's tracker runs torch.profiler at every measured step: kineto's banners and
+    c10's warning about a block allocated before profiling stay off the user's stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", _QUIET_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "measured True" in done.stdout
+    for chatter in ("USDT", "profiler_start", "gpuGetDeviceCount", "Memory block of unknown size"):
+        assert chatter not in done.stderr, done.stderr[-2000:]
+
+
 def test_a_model_compiled_before_prepare_is_compiled_with_the_techniques():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     keys = set(model.state_dict())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
 import time
 import types
@@ -276,6 +277,42 @@ class AllocationTracker(TorchDispatchMode):
         self._finalizers.clear()
 
 
+# The profiler's own chatter on stderr, which a run measuring its compiled steps would print at every
+# measured step: kineto's banners ("USDT: ... profiler_start", and on a CUDA build without a GPU
+# "ERROR: ... gpuGetDeviceCount failed"), and c10's one warning per process that a block allocated
+# before profiling began was freed during it - the case CompiledStepTracker handles (its storages'
+# finalizers time those deaths).
+_KINETO_SILENT = "6"  # kineto's log levels run VERBOSE 0 .. USDT 5: 6 prints none
+_UNKNOWN_BLOCK_WARNED = False
+
+
+def _quiet_kineto() -> None:
+    """``KINETO_LOG_LEVEL`` set to print nothing, unless you set it (kineto reads it when the
+    process first profiles: a process that profiled before keeps its level)."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_SILENT)
+
+
+def _free_unheard(older: list[torch.Tensor]) -> None:
+    """Free the tensors of ``older`` (allocated before the profiler started; the list holds their
+    only references) with the process's stderr sent to /dev/null for that moment: c10 warns once per
+    process about the first such block, and this spends that one warning where nobody reads it."""
+    global _UNKNOWN_BLOCK_WARNED
+    _UNKNOWN_BLOCK_WARNED = True
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no stderr to silence: the warning goes nowhere anyway
+        return
+    try:
+        silent = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(silent, 2)
+        os.close(silent)
+        older.clear()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 class CompiledStepTracker(AllocationTracker):
     """The tracker of a step that runs compiled code (``torch.compile``): the allocator's own
     allocation and free events, which ``torch.profiler`` records (``profile_memory``) for compiled
@@ -296,7 +333,11 @@ class CompiledStepTracker(AllocationTracker):
         self._start()
         self._context.callback(self._detach)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        _quiet_kineto()
+        older = [] if _UNKNOWN_BLOCK_WARNED else [torch.empty(1)]
         self._profiler = self._context.enter_context(profile(activities=activities, profile_memory=True))
+        if older:
+            _free_unheard(older)
         return self
 
     def __exit__(self, *exc) -> None:
