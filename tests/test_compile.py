@@ -70,6 +70,33 @@ def test_each_technique_compiled_ends_where_eager_ends(technique):
     assert trainer.compiled.graphs >= 1
 
 
+@pytest.mark.parametrize("strategy", ["residual", "residual_star"])
+def test_compact_sparse_compiled_trains_through_rewirings_where_eager_does(strategy):
+    """A rewiring every step changes the compact layers' counts. Their graphs compiled for static
+    counts recompiled at every rewiring, and the traced inputs of those compilations (reference cycles
+    until the garbage collector runs) held the values' old gradient accumulators: the third step
+    failed ("expected shape compatible with" the old count) before a rewiring cut them loose
+    (``compact.repoint``). The counts are dynamic sizes now (``compact.mark_counts_dynamic``): the
+    first step compiles, the rewired ones compile nothing. FP64, ends where eager ends."""
+    overrides = (*TINY_WRN, "sparsity.density=0.3", f"checkpointing.strategy={strategy}", "checkpointing.every=2",
+                 "sparsity.rewire_freq_mult=1000")
+    fresh = build_trainer(make_config("trainer.device=cpu", "precision=fp64", *overrides))
+    initial = list(fresh.sparsity.compact.counts)
+    eager, _ = _steps(overrides)
+    trainer = build_trainer(make_config("trainer.device=cpu", "precision=fp64", *overrides, "trainer.compile=true",
+                                        "trainer.compile_backend=aot_eager"))
+    graphs = []
+    for batch in trainer.data.train.epoch(0):  # 3 steps, as _steps
+        trainer.train_step(batch)
+        graphs.append(trainer.compiled.graphs)
+    compiled = {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()}
+    assert len(graphs) == 3 and trainer.sparsity.compact.counts != initial  # rewirings moved the counts
+    assert _relative_difference(eager, compiled) <= 1e-9
+    # Blocks compile at their second call (the first is watched eagerly): by the second step all is
+    # compiled; the third, after a rewiring, compiles nothing.
+    assert graphs[1] > 0 and graphs[2] == graphs[1], graphs
+
+
 def test_the_full_combination_compiled_by_inductor_ends_where_eager_ends():
     """Compact sparse, true microbatches, residual_star, FP64: inductor's kernels, and the
     recomputation's self-check never fires (blocks recompute eagerly, as they ran)."""

@@ -458,3 +458,31 @@ def test_bad_schedule():
         RewireSchedule(starts=(0,), periods=(100,), stop=10, unit="epochs")
     with pytest.raises(ValueError, match="periods"):
         RewireSchedule(starts=(0, 5), periods=(100,), stop=10)
+
+
+def test_a_graph_kept_across_a_rewiring_does_not_break_the_next_backward():
+    """A compact layer whose count a rewiring changes gets values of a new shape; a graph of an
+    earlier step still alive (a kept loss tensor, or a compiler's traced inputs until the garbage
+    collector runs) holds the old gradient accumulator, which torch keeps across a change of shape:
+    the next backward failed ("expected shape compatible with" the old count) until the rewiring cut
+    it loose (``compact.repoint``)."""
+    torch.manual_seed(0)
+    model = ToyNet()
+    sparsity = make_sparsity(model, period=1, storage="compact", rewire_fraction=0.2)
+    optimizer = sgd(model)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(10, (8,))
+    kept = []
+    changed = False
+    for _ in range(6):
+        counts = [values.numel() for values, _ in map(sparsity.compact.layer, sparsity.sparse_weight_names())]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward(retain_graph=True)
+        kept.append(loss)  # the graph, and the accumulators of the values it read, stay alive
+        sparsity.mask_gradients()
+        optimizer.step()
+        sparsity.after_optimizer_step(optimizer, epoch=0.0)
+        after = [values.numel() for values, _ in map(sparsity.compact.layer, sparsity.sparse_weight_names())]
+        changed = changed or after != counts
+    assert changed  # some rewiring moved a layer's count: the shapes changed under the kept graphs
+    assert_inactive_zero(sparsity)

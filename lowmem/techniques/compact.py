@@ -68,6 +68,7 @@ import contextlib
 import copy
 import math
 import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -213,6 +214,36 @@ def _copied_in_c(values: torch.Tensor, columns: torch.Tensor, row_starts: torch.
         and os.environ.get("LOWMEM_KERNELS", "auto") != "torch"
         and cpu_kernels.copies_compact(values, columns, row_starts)
     )
+
+
+def repoint(parameter: nn.Parameter, data: torch.Tensor) -> None:
+    """``parameter.data = data``, where a rewiring moved the layer's count (a new shape). A gradient
+    accumulator of ``parameter`` that an old graph still holds is first cut loose: torch keeps it
+    across a change of shape (``.data`` drops it on a change of dtype or device only), with the old
+    shape, and the next backward through ``parameter`` then fails ("returned an invalid gradient ...
+    expected shape compatible with" the old count). Old graphs outlive a step more often than one
+    would think: a loss tensor kept from an earlier step (``total += loss``), and ``torch.compile``'s
+    traced inputs, held in reference cycles until the garbage collector runs (a compiled
+    ``residual_star`` step failed so at the second rewiring)."""
+    if parameter.shape != data.shape:
+        other = torch.float64 if data.dtype != torch.float64 else torch.float32
+        parameter.data = data.new_empty(0, dtype=other)  # a new dtype: torch drops the accumulator
+    parameter.data = data
+
+
+def mark_counts_dynamic(module: nn.Module) -> None:
+    """Tell ``torch.compile`` that the number of active values of ``module``'s compact weights is a
+    dynamic size (``maybe_mark_dynamic``: a symbol, where no code specializes it): a rewiring changes
+    it layer by layer, and graphs compiled for static counts recompiled at every rewiring (every block
+    graph of a checkpointed model, seconds each, until dynamo's cache limit sent them back to eager
+    code). Marks the values parameters and their columns (new tensors at each rewiring: ``_store``
+    marks them again once the compiler is loaded)."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    for name in compact_names(module):
+        for tensor in (getattr(module, name + _VALUES, None), getattr(module, name + _COLUMNS, None)):
+            if isinstance(tensor, torch.Tensor):  # sharded values are gathered views, or absent, between steps
+                maybe_mark_dynamic(tensor, 0)
 
 
 def is_compact(module: nn.Module, name: str) -> bool:
@@ -947,7 +978,7 @@ class CompactWeights:
             count, rows = layers[name][0].numel(), row_starts.numel()
             module, attr = self._owners[name]
             if self.shared is None:
-                getattr(module, attr + _VALUES).data = self.values[start : start + count]  # tied places share it
+                repoint(getattr(module, attr + _VALUES), self.values[start : start + count])  # tied places share it
             columns, row_starts = self.columns[start : start + count], self.row_starts[row : row + rows]
             for place, place_attr in self.places(name):
                 place._buffers[place_attr + _ROW_STARTS] = row_starts
@@ -958,6 +989,9 @@ class CompactWeights:
             row += rows
         if self.shared is not None:
             self.bind(self.values, self.columns)
+        elif "torch._dynamo" in sys.modules:  # the compiler may run these layers: new columns marked too
+            for module, _ in self._owners.values():
+                mark_counts_dynamic(module)
 
     def _follow_the_model(self) -> None:
         """If the model was cast or moved since (``model.to(...)`` gives every parameter and buffer

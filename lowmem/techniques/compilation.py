@@ -51,7 +51,7 @@ from torch import nn
 from lowmem.kernels import cpu as kernel_cache
 from lowmem.profiler.report import CHAINS_ATTRIBUTE
 from lowmem.residual import COMPILED_BLOCK, COMPILED_TRIPLES, CompiledMark, compiled_backend, residual_stacks
-from lowmem.techniques.compact import compact_layers, compiles_whole
+from lowmem.techniques.compact import compact_layers, compiles_whole, mark_counts_dynamic
 from lowmem.techniques.shards import is_fsdp_module
 
 BACKENDS = ("inductor", "aot_eager", "eager")  # trainer.compile_backend
@@ -194,9 +194,17 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> CompileRecord:
     # (compact_ops); stacked experts and sharded embeddings run eagerly: one break each.
     from lowmem.techniques import compact_ops  # noqa: F401 - registers the operators
 
-    for layer in compact_layers(model):
+    layers = compact_layers(model)
+    for layer in layers:
         if not compiles_whole(layer) and not isinstance(layer.__dict__.get("forward"), _Eager):
             layer.forward = outside_compiler(layer.forward)
+    # Their counts of active values change at each rewiring: a dynamic size in the graphs, not a
+    # recompilation per rewiring (compact.mark_counts_dynamic). The values are parameters, whose sizes
+    # dynamo keeps static unless told (force_parameter_static_shapes).
+    if layers:
+        torch._dynamo.config.force_parameter_static_shapes = False
+        for layer in layers:
+            mark_counts_dynamic(layer)
     # A model the user compiled (nn.Module.compile) is compiled again with lowmem's settings.
     model._compiled_call_impl = None
     model.compile(backend=backend)
