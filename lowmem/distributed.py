@@ -66,6 +66,16 @@ def init_from_environment(device: torch.device) -> None:
     dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]), world_size=launched_ranks())
 
 
+def leave() -> None:
+    """The end of a run under torchrun: every rank waits for the others, then leaves the process
+    group (its gloo or NCCL threads stopped in order). Left to the interpreter's exit, a rank whose
+    peer had exited first could abort in the group's destructor ("terminate called without an active
+    exception", SIGABRT), and torchrun then reported a failed job whose training had ended."""
+    if launched_by_torchrun() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def generation(store: dist.Store) -> int:
     """Which start of the job's workers this is (0 first), the same on every rank. One node: its
     torchrun's restart count. Several: each node's torchrun counts only the restarts its own ranks

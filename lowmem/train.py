@@ -126,9 +126,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if HydraConfig.get().mode == RunMode.RUN:
+    single = HydraConfig.get().mode == RunMode.RUN
+    if single:
         distributed.record_run_directory(run_dir)
     run(cfg, run_dir)
+    if single:  # (a sweep's jobs share one process group)
+        distributed.leave()
 
 
 def quiet_hydra_on_other_ranks() -> None:

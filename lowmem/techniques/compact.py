@@ -226,7 +226,7 @@ def repoint(parameter: nn.Parameter, data: torch.Tensor) -> None:
     traced inputs, held in reference cycles until the garbage collector runs (a compiled
     ``residual_star`` step failed so at the second rewiring)."""
     if parameter.shape != data.shape:
-        other = torch.float64 if data.dtype != torch.float64 else torch.float32
+        other = torch.float16 if data.dtype != torch.float16 else torch.float32  # every device has both
         parameter.data = data.new_empty(0, dtype=other)  # a new dtype: torch drops the accumulator
     parameter.data = data
 
