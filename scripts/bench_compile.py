@@ -22,6 +22,7 @@ resnet18 and mobilenet_v3_small, a small ViT, a GPT-style model; batch 100) thro
 
     .venv/bin/python scripts/bench_compile.py [--tiny] [--repeats 5] [--rows 2,3,4,5,6,7,full] [--out FILE]
     .venv/bin/python scripts/bench_compile.py --models [--only NAME] [--cpu-compute native]
+    .venv/bin/python scripts/bench_compile.py --rewirings 8 [--tiny] [--rows 4]
 """
 
 from __future__ import annotations
@@ -118,8 +119,14 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="with --models: the models whose name contains this")
     parser.add_argument("--optimizer", action="store_true",
                         help="the optimizer step alone: lowmem's (eager) against torch.optim's eager and compiled")
+    parser.add_argument("--rewirings", type=int, default=0, metavar="STEPS",
+                        help="a Table 3 row (the first of --rows) compiled, rewiring after every update, for STEPS "
+                             "steps: the graphs each step compiles and its time")
     args = parser.parse_args()
     inductor_cache()
+    if args.rewirings:
+        through_rewirings(args)
+        return
     if args.models:
         any_models(args)
         return
@@ -210,6 +217,33 @@ def main() -> None:
     print(text)
     if args.out:
         save_bytes(text.encode(), args.out)
+
+
+def through_rewirings(args: argparse.Namespace) -> None:
+    """A compiled compact sparse row trained with a rewiring after every update (DSR's WRN schedule
+    rewires every 100-800): what each step compiles (``graphs``) and takes. The first steps compile
+    the model and its blocks; the later ones show what a rewiring costs the compiled run."""
+    from lowmem.techniques.compilation import graphs_compiled
+
+    depth, width, batch = (10, 1, 20) if args.tiny else (28, 2, 100)
+    name = args.rows.split(",")[0]
+    overrides, _, _ = rows(batch)[name]
+    trainer = build_trainer(compose(
+        *BASE, *overrides, f"model.depth={depth}", f"model.width={width}", f"data.batch_size={batch}",
+        f"precision.cpu_compute={args.cpu_compute}", "trainer.compile=true", "sparsity.rewire_freq_mult=1000",
+    ))  # fmt: skip
+    if trainer.sparsity is None or trainer.sparsity.compact is None:
+        raise SystemExit(f"--rewirings: row {name} has no compact sparse layers; choose one of rows 4-7 or full")
+    example = trainer.example_batch()
+    print(f"CPU: {cpu_name()} | torch {torch.__version__} | threads {torch.get_num_threads()} | "
+          f"WRN-{depth}-{width} batch {batch}, Table 3 row {name}, compiled, a rewiring after every update\n")
+    print("| step | graphs compiled | step s | nonzeros per layer (first 4) |\n|---|---|---|---|")
+    for step in range(args.rewirings):
+        before, started = graphs_compiled(), time.perf_counter()
+        trainer.train_step(example)
+        seconds = time.perf_counter() - started
+        print(f"| {step} | {graphs_compiled() - before} | {seconds:.2f} | {trainer.sparsity.compact.counts[:4]} |",
+              flush=True)
 
 
 def any_models(args: argparse.Namespace) -> None:

@@ -80,11 +80,10 @@ def test_compact_sparse_compiled_trains_through_rewirings_where_eager_does(strat
     first step compiles, the rewired ones compile nothing. FP64, ends where eager ends."""
     overrides = (*TINY_WRN, "sparsity.density=0.3", f"checkpointing.strategy={strategy}", "checkpointing.every=2",
                  "sparsity.rewire_freq_mult=1000")
-    fresh = build_trainer(make_config("trainer.device=cpu", "precision=fp64", *overrides))
-    initial = list(fresh.sparsity.compact.counts)
     eager, _ = _steps(overrides)
     trainer = build_trainer(make_config("trainer.device=cpu", "precision=fp64", *overrides, "trainer.compile=true",
                                         "trainer.compile_backend=aot_eager"))
+    initial = list(trainer.sparsity.compact.counts)
     graphs = []
     for batch in trainer.data.train.epoch(0):  # 3 steps, as _steps
         trainer.train_step(batch)

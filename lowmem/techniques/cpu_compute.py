@@ -714,13 +714,14 @@ def feature_choices(dtype: torch.dtype) -> dict[str, str]:
     model, flags = kernel_cache.cpu_identity()
     flags = flags.split()
     isa = kernel_cache.onednn_isa_limit().upper() or "ALL"
+    unlimited = isa in ("ALL", "DEFAULT")
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    amx = "amx_bf16" in flags and avx512 and (isa in ("ALL", "DEFAULT") or "AMX" in isa)
+    amx = "amx_bf16" in flags and avx512 and (unlimited or "AMX" in isa)
     amd_bf16 = (
         model.upper().startswith("AMD")
         and "avx512_bf16" in flags
         and avx512
-        and (isa in ("ALL", "DEFAULT") or "BF16" in isa or "FP16" in isa or "AMX" in isa)
+        and (unlimited or any(level in isa for level in ("BF16", "FP16", "AMX")))
     )
     return dict.fromkeys(KINDS, "native" if dtype == torch.bfloat16 and (amx or amd_bf16) else "fp32")
 
