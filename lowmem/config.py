@@ -24,6 +24,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from lowmem.libraries import WORKSPACES
 from lowmem.techniques.compilation import BACKENDS as COMPILE_BACKENDS
+from lowmem.techniques.compilation import SEGMENT_MODES as COMPILE_SEGMENTS
 from lowmem.techniques.compression import validate_compress
 from lowmem.techniques.cpu_compute import CPU_COMPUTE
 from lowmem.techniques.head_loss import validate_chunk_tokens
@@ -345,6 +346,14 @@ class TrainerConfig:
         "`trainer.compile=true`: the `torch.compile` backend: `inductor` (compiled kernels), or `aot_eager` / "
         "`eager` (graphs captured, run by eager kernels) to tell a compiler bug from a lowmem one.",
     )
+    compile_segments: str = knob(
+        "stack",
+        "`trainer.compile=true`: how checkpointed residual stacks run compiled. `stack`: each stack one compiled "
+        "call whose checkpointed segments the compiler recomputes (its partitioner; fastest, the peak may be a "
+        "little above the eager run's); `blocks`: lowmem's own segments, block by block, each block compiled "
+        "(the eager run's memory exactly). Either way a stack's first run is eager and watched for side outputs "
+        "(`docs/compile.md`).",
+    )
     cuda_graphs: str = knob(
         "auto",
         "`auto`: on CUDA in one process, each microbatch shape that repeats is captured once (forward, loss "
@@ -578,6 +587,12 @@ def validate(cfg: DictConfig | Config) -> None:
         "trainer.compile_backend",
         cfg.trainer.compile_backend,
         f"one of {', '.join(COMPILE_BACKENDS)}",
+    )
+    _require(
+        cfg.trainer.compile_segments in COMPILE_SEGMENTS,
+        "trainer.compile_segments",
+        cfg.trainer.compile_segments,
+        f"one of {', '.join(COMPILE_SEGMENTS)}",
     )
     _require(
         cfg.trainer.workspaces in WORKSPACES,

@@ -33,20 +33,22 @@ COMPILED_BLOCK = "_lowmem_compiled_block"
 
 
 class CompiledMark:
-    """``COMPILED_BLOCK``'s value: the compiler's backend. A copy of the block (``copy.deepcopy``,
-    ``torch.save``) is not compiled, as ``nn.Module`` drops its own compiled forward from copies: the
-    mark copies as None, and a copied model runs its blocks eagerly until compiled again."""
+    """``COMPILED_BLOCK``'s value: the compiler's backend, and how checkpointed segments of the block
+    run compiled (``segments``: ``trainer.compile_segments``). A copy of the block
+    (``copy.deepcopy``, ``torch.save``) is not compiled, as ``nn.Module`` drops its own compiled
+    forward from copies: the mark copies as None, and a copied model runs its blocks eagerly until
+    compiled again."""
 
-    __slots__ = ("backend",)
+    __slots__ = ("backend", "segments")
 
-    def __init__(self, backend: str) -> None:
-        self.backend = backend
+    def __init__(self, backend: str, segments: str = "blocks") -> None:
+        self.backend, self.segments = backend, segments
 
     def __reduce__(self) -> tuple:  # what pickle and copy.deepcopy build a copy from
         return _not_compiled, ()
 
     def __repr__(self) -> str:
-        return f"CompiledMark({self.backend!r})"
+        return f"CompiledMark({self.backend!r}, {self.segments!r})"
 
 
 def _not_compiled() -> None:
@@ -57,6 +59,12 @@ def compiled_backend(block: nn.Module) -> str | None:
     """The backend ``block`` runs compiled with in checkpointed segments, or None."""
     mark = block.__dict__.get(COMPILED_BLOCK)
     return None if mark is None else mark.backend
+
+
+def compiled_segments(block: nn.Module) -> str | None:
+    """How checkpointed segments of ``block`` run compiled (``trainer.compile_segments``), or None."""
+    mark = block.__dict__.get(COMPILED_BLOCK)
+    return None if mark is None else mark.segments
 
 
 def run_sequentially(blocks: Sequence[nn.Module], x: torch.Tensor, context: tuple) -> torch.Tensor:

@@ -1075,7 +1075,7 @@ def apply_techniques(
     #    backward compiled, lowmem's own eager code (checkpointed stacks and blocks, compact layers)
     #    outside the graphs (lowmem.techniques.compilation). The accounting passes run it eagerly.
     if cfg.trainer.compile:
-        apply_compile(getattr(model, "module", model), cfg.trainer.compile_backend)
+        apply_compile(getattr(model, "module", model), cfg.trainer.compile_backend, cfg.trainer.compile_segments)
     trainer = Trainer(cfg, recipe, model, data, policy, sparsity, defaults, device)
     if trainer.sharded:
         trainer.unsharded_report = unsharded

@@ -73,6 +73,60 @@ def lowmem_step(overrides: list[str], compiled: bool) -> tuple[Callable[[], obje
     return (lambda: trainer.train_step(batch)), trainer, batch
 
 
+def compiled_flops(make_trainer: Callable[[], object], segments: str, run_step: Callable | None = None) -> int:
+    """FLOPs of a compiled lowmem step, as its graphs run them: ``make_trainer()`` (uncompiled)
+    compiled by AOTAutograd with inductor's partitioner (what it recomputes in backward, what it
+    drops), every graph run op by op under torch's FLOP counter; counted at the third step (the
+    first runs checkpointed stacks eagerly, watched). A count of the step run eagerly
+    (``force_eager``) is not this: it computes what compiled code leaves out (a ``residual_star``
+    rebuild's unread convolution, the last convolution of a checkpoint region). ``run_step(trainer)``:
+    one step (default: ``train_step`` on its example batch)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
+    from torch.utils.flop_counter import flop_registry
+
+    from lowmem.techniques.compilation import apply_compile
+
+    total = [0]
+
+    def shape(item):
+        return item.shape if isinstance(item, torch.Tensor) else item
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                shapes, kwarg_shapes = tree_map(shape, args), tree_map(shape, kwargs or {})
+                total[0] += formula(*shapes, **kwarg_shapes, out_val=tree_map(shape, out))
+            return out
+
+    def counted(graph: torch.fx.GraphModule, _example) -> Callable:
+        def run(*args):
+            with Counter():
+                return torch.fx.Interpreter(graph).run(*args)
+
+        return make_boxed_func(run)
+
+    backend = aot_autograd(fw_compiler=counted, bw_compiler=counted, partition_fn=min_cut_rematerialization_partition,
+                           keep_inference_input_mutations=True)  # fmt: skip
+    torch._dynamo.reset()
+    trainer = make_trainer()
+    apply_compile(trainer.unwrapped_model, backend, segments)
+    if run_step is None:
+        batch = trainer.example_batch()
+        run_step = lambda trainer: trainer.train_step(batch)  # noqa: E731
+    for _ in range(2):
+        run_step(trainer)
+    total[0] = 0
+    run_step(trainer)
+    torch._dynamo.reset()
+    return total[0]
+
+
 def plain_step(depth: int, width: int, batch, micro: int, dtype: torch.dtype, compiled: bool):
     """Plain PyTorch: the same WRN in ``dtype``, SGD with momentum, gradients accumulated over
     microbatches of ``micro`` examples; ``compiled``: the model through ``torch.compile``."""
@@ -112,6 +166,8 @@ def main() -> None:
     parser.add_argument("--rows", default="2,3,4,5,6,7,full")
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
     parser.add_argument("--cpu-compute", default="auto", help="precision.cpu_compute of the lowmem rows")
+    parser.add_argument("--segments", default="stack", choices=["stack", "blocks"],
+                        help="trainer.compile_segments of the compiled lowmem rows")
     parser.add_argument("--profile", action="store_true",
                         help="also print where each lowmem step's time goes (torch.profiler, one step each; "
                              "with --models, plain BF16 compiled's too)")
@@ -143,24 +199,30 @@ def main() -> None:
     for name, (overrides, micro, precision) in chosen.items():
         for compiled in (False, True):
             key = f"lowmem {name} {'compiled' if compiled else 'eager'}"
-            step, trainer, batch_ = lowmem_step([*size, *overrides, f"precision.cpu_compute={args.cpu_compute}"],
-                                                compiled)
+            if compiled:  # the FLOPs its compiled graphs run (the compiler's recomputation included)
+                config = compose(*BASE, *size, *overrides)
+                graph_flops = compiled_flops(lambda: build_trainer(config), args.segments)  # noqa: B023 - called here
+            step, trainer, batch_ = lowmem_step([*size, *overrides, f"precision.cpu_compute={args.cpu_compute}",
+                                                 f"trainer.compile_segments={args.segments}"], compiled)
             example = batch_
             flops = profile_trainer(trainer, measure=False).flops
             started = time.perf_counter()
-            step()  # compiles
+            step()  # compiles (the checkpointed stacks: at the second step, after an eager watched one)
+            step()
             first = time.perf_counter() - started
             started = time.perf_counter()
             step()
             steady = time.perf_counter() - started
+            if compiled:
+                flops = graph_flops
             peak = measure_peak(step, trainer.unwrapped_model, trainer.optimizer, owners=(trainer,),
                                 arithmetic=trainer.arithmetic())
             with CompiledStepTracker("cpu", trainer.unwrapped_model, trainer.optimizer, owners=(trainer,)) as events:
                 step()  # the allocator's events, eager or compiled alike
             summary = trainer.compile_summary()
             info[key] = {"flops": flops, "peak": peak.peak_bytes, "events": events.peak_bytes, "micro": micro,
-                         "precision": precision,
-                         "breaks": summary["graph_breaks"], "compile_s": max(0.0, first - steady) if compiled else 0.0}
+                         "precision": precision, "breaks": summary["graph_breaks"],
+                         "compile_s": max(0.0, first - 2 * steady) if compiled else 0.0}
             steps[key] = step  # train_step computes in the trainer's arithmetic itself
     plains = {(v[1], v[2]) for v in chosen.values()} | {(v[1], "fp32") for v in chosen.values()}
     for micro, precision in sorted(plains):
@@ -190,9 +252,10 @@ def main() -> None:
         f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(default)')} | "
         f"lowmem precision.cpu_compute={args.cpu_compute} | torch {torch.__version__} | threads "
         f"{torch.get_num_threads()} | {'WRN-10-1 batch 20' if args.tiny else 'WRN-28-2 batch 100'} | "
-        f"median of {args.repeats}",
+        f"median of {args.repeats} | trainer.compile_segments={args.segments}",
         "",
-        "| row | mb | precision | GFLOPs (plain) | lowmem eager s | lowmem compiled s | compiled / eager | "
+        "| row | mb | precision | GFLOPs compiled, eager (plain) | lowmem eager s | lowmem compiled s | "
+        "compiled / eager | "
         "time/FLOP vs plain compiled, same precision | vs plain FP32 compiled | plain eager s | plain compiled s "
         "| peak eager MB (tracker / allocator) | peak compiled MB (allocator) | plain compiled MB (allocator) "
         "| breaks | compile s |",
@@ -206,7 +269,8 @@ def main() -> None:
         per_flop = (t_c / compiled["flops"]) / (medians[plain_c] / info[plain_c]["flops"])
         per_flop32 = (t_c / compiled["flops"]) / (medians[plain32] / info[plain32]["flops"])
         lines.append(
-            f"| {name} | {micro} | {precision} | {compiled['flops'] / 1e9:.1f} ({info[plain_c]['flops'] / 1e9:.1f}) | "
+            f"| {name} | {micro} | {precision} | {compiled['flops'] / 1e9:.1f}, {eager['flops'] / 1e9:.1f} "
+            f"({info[plain_c]['flops'] / 1e9:.1f}) | "
             f"{t_e:.3f} | {t_c:.3f} | {t_c / t_e:.2f}x | {per_flop:.2f}x | {per_flop32:.2f}x | "
             f"{medians[plain_e]:.3f} | {medians[plain_c]:.3f} | "
             f"{eager['peak'] / 1e6:.1f} / {eager['events'] / 1e6:.1f} | "
@@ -255,7 +319,8 @@ def any_models(args: argparse.Namespace) -> None:
         f"CPU: {cpu_name()} | ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(default)')}, "
         f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(default)')} | "
         f"lowmem precision.cpu_compute={args.cpu_compute} | torch {torch.__version__} | threads "
-        f"{torch.get_num_threads()} | batch 100, microbatches of {MICROBATCH} | median of {args.repeats}",
+        f"{torch.get_num_threads()} | batch 100, microbatches of {MICROBATCH} | median of {args.repeats} | "
+        f"trainer.compile_segments={args.segments}",
         "",
         "| model | GFLOPs lowmem (plain) | lowmem eager s | lowmem compiled s | compiled / eager | time/FLOP vs plain "
         "compiled, BF16 | vs plain FP32 compiled | plain BF16 eager s | plain BF16 compiled s | plain FP32 compiled s "
@@ -276,6 +341,7 @@ def any_model_row(name: str, make_model: Callable, batch: tuple, loss_fn: Callab
     from bench_your_model import COMBINATION, MICROBATCH, plain_microbatched_step
 
     import lowmem
+    from lowmem.api import to_training
 
     steps: dict[str, Callable[[], object]] = {}
     flops: dict[str, float] = {}
@@ -283,18 +349,27 @@ def any_model_row(name: str, make_model: Callable, batch: tuple, loss_fn: Callab
     for compiled in (False, True):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        overrides = ["trainer.device=cpu", *COMBINATION, f"precision.cpu_compute={args.cpu_compute}",
-                     f"trainer.compile={str(compiled).lower()}"]  # fmt: skip
-        run = lowmem.prepare(make_model(), loss_fn, batch, overrides=overrides)
+        overrides = ["trainer.device=cpu", *COMBINATION, f"precision.cpu_compute={args.cpu_compute}"]
         key = f"lowmem {'compiled' if compiled else 'eager'}"
-        flops[key] = run.profile(measure=False)["flops"]
+        if compiled:  # the FLOPs its compiled graphs run
+            flops[key] = compiled_flops(
+                lambda: lowmem.prepare(make_model(), loss_fn, batch, overrides=overrides).trainer,  # noqa: B023
+                args.segments,
+                lambda trainer: trainer.train_step(to_training(batch, trainer.device, trainer.policy.input_dtype)),
+            )
+            torch.manual_seed(0)
+        run = lowmem.prepare(make_model(), loss_fn, batch, overrides=[
+            *overrides, f"trainer.compile={str(compiled).lower()}", f"trainer.compile_segments={args.segments}"])
+        if not compiled:
+            flops[key] = run.profile(measure=False)["flops"]
         started = time.perf_counter()
-        run.step(batch)  # compiles
+        run.step(batch)  # compiles (checkpointed stacks: at the second step)
+        run.step(batch)
         first = time.perf_counter() - started
         started = time.perf_counter()
         run.step(batch)
         if compiled:
-            compile_s = max(0.0, first - (time.perf_counter() - started))
+            compile_s = max(0.0, first - 2 * (time.perf_counter() - started))
             breaks = run.trainer.compile_summary()["graph_breaks"]
         steps[key] = functools.partial(run.step, batch)
     for dtype in (torch.bfloat16, torch.float32):

@@ -96,17 +96,46 @@ def test_compact_sparse_compiled_trains_through_rewirings_where_eager_does(strat
     assert graphs[1] > 0 and graphs[2] == graphs[1], graphs
 
 
-def test_the_full_combination_compiled_by_inductor_ends_where_eager_ends():
+@pytest.mark.parametrize("segments", ["stack", "blocks"])
+def test_the_full_combination_compiled_by_inductor_ends_where_eager_ends(segments):
     """Compact sparse, true microbatches, residual_star, FP64: inductor's kernels, and the
     recomputation's self-check never fires (blocks recompute eagerly, as they ran)."""
     overrides = (*TINY_WRN, "sparsity.density=0.3", "microbatch.size=5", "microbatch.mode=true",
                  "checkpointing.strategy=residual_star")
     eager, _ = _steps(overrides)
-    compiled, trainer = _steps((*overrides, "trainer.compile=true"))
+    compiled, trainer = _steps((*overrides, "trainer.compile=true", f"trainer.compile_segments={segments}"))
     assert _relative_difference(eager, compiled) <= 1e-9
     # One break per checkpointed stack (3) and none else: the stem and head are dense here.
     assert trainer.compiled.graph_breaks == 3
     assert set(trainer.compiled.reasons) == {r for r in trainer.compiled.reasons if "torch.compiler.disable" in r}
+
+
+@pytest.mark.parametrize("strategy", ["residual", "residual_star"])
+def test_a_checked_stack_runs_as_one_compiled_call_and_ends_where_eager_ends(strategy, monkeypatch):
+    """``trainer.compile_segments=stack``: a stack's first run is lowmem's own segments, eager and
+    watched for side outputs; from the second step on the whole stack is one compiled call, whose
+    checkpoint regions the compiler recomputes, and no segment of lowmem's runs. FP64 ends where eager
+    ends, BatchNorm's running statistics (counts too) updated once per forward, as eagerly."""
+    from lowmem.techniques import checkpointing
+
+    overrides = (*TINY_WRN, "sparsity.density=0.3", "microbatch.size=5", "microbatch.mode=true",
+                 f"checkpointing.strategy={strategy}", "checkpointing.every=2")
+    eager, _ = _steps(overrides)
+    runs = []
+    segment_apply = checkpointing._CheckpointedSegment.apply
+    monkeypatch.setattr(checkpointing._CheckpointedSegment, "apply", lambda *a: (runs.append(1), segment_apply(*a))[1])
+    trainer = build_trainer(make_config("trainer.device=cpu", "precision=fp64", *overrides, "trainer.compile=true",
+                                        "trainer.compile_backend=aot_eager", "trainer.compile_segments=stack"))
+    per_step = []
+    for batch in trainer.data.train.epoch(0):  # 3 steps, as _steps
+        trainer.train_step(batch)
+        per_step.append(len(runs))
+    compiled = {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()}
+    assert per_step[0] > 0 and per_step[2] == per_step[0], per_step  # lowmem's segments ran in the first step only
+    assert _relative_difference(eager, compiled) <= 1e-9
+    counts = [k for k in eager if k.endswith("num_batches_tracked")]
+    assert counts and all(torch.equal(eager[k], compiled[k]) for k in counts)
+    assert int(compiled[counts[0]]) == 3 * 4  # once per microbatch's forward, 3 steps of 4
 
 
 def test_dynamicconv_compiled_ends_where_eager_ends():
@@ -154,6 +183,39 @@ def test_gpt2_with_dropout_compiled_ends_where_eager_ends(checkpointing):
         ends.append(({k: v.detach().clone() for k, v in run.model.state_dict().items()}, losses))
     assert _relative_difference(ends[0][0], ends[1][0]) <= 1e-9
     assert ends[0][1] == pytest.approx(ends[1][1], rel=1e-6)  # the step's loss is recorded in FP32
+
+
+@pytest.mark.parametrize("segments", ["stack", "blocks"])
+def test_checked_chain_blocks_run_as_the_segments_mode_says_and_end_where_eager_ends(segments, monkeypatch):
+    """A transformers GPT-2 (dropout, FP64, ``residual_star`` every 2): with ``compile_segments=stack``
+    each block watched once runs as one compiled checkpoint region from the second step on (no
+    autograd node of lowmem's per block); with ``blocks`` through lowmem's node, compiled inside.
+    Both end where eager ends, dropout masks included."""
+    from lowmem.techniques import chains
+
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(1))
+    base = _gpt2().double()
+    nodes = []
+    chained_apply = chains._ChainedBlock.apply
+    ends = []
+    for compile_ in ("false", "true"):
+        torch.manual_seed(2)
+        overrides = ["precision=fp64", "checkpointing.strategy=residual_star", "checkpointing.every=2",
+                     f"trainer.compile={compile_}", f"trainer.compile_segments={segments}"]
+        run = lowmem.prepare(copy.deepcopy(base), _lm_loss, ids, overrides)
+        monkeypatch.setattr(chains._ChainedBlock, "apply", lambda *a: (nodes.append(1), chained_apply(*a))[1])
+        per_step = []
+        for _ in range(3):
+            run.step(ids)
+            per_step.append(len(nodes))
+        nodes.clear()
+        ends.append({k: v.detach().clone() for k, v in run.model.state_dict().items()})
+    assert per_step[0] > 0
+    if segments == "stack":
+        assert per_step[2] == per_step[0], per_step  # lowmem's nodes in the first (watched) step only
+    else:
+        assert per_step[2] == 3 * per_step[0], per_step
+    assert _relative_difference(ends[0], ends[1]) <= 1e-9
 
 
 def _breaks(model: nn.Module, loss, batch, overrides: list[str]) -> int:
@@ -286,6 +348,8 @@ def test_a_chunked_loss_of_a_number_of_tokens_is_refused_when_compiled():
         lowmem.prepare(_gpt2(0.0), _lm_loss, ids, ["trainer.compile=true", "loss.chunk_tokens=64"])
     with pytest.raises(ConfigError, match="trainer.compile_backend='tvm'"):
         lowmem.prepare(_gpt2(0.0), _lm_loss, ids, ["trainer.compile=true", "trainer.compile_backend=tvm"])
+    with pytest.raises(ConfigError, match="trainer.compile_segments='whole'.*stack, blocks"):
+        lowmem.prepare(_gpt2(0.0), _lm_loss, ids, ["trainer.compile=true", "trainer.compile_segments=whole"])
 
 
 def test_a_hooked_feature_of_a_compiled_checkpointed_block_keeps_its_gradient_every_step():
@@ -401,7 +465,7 @@ def test_a_profiled_compiled_step_with_checkpointed_blocks_measures_no_compilati
     run = lowmem.prepare(model, _classify, batch, ["checkpointing.strategy=residual", "trainer.compile=true"])
     assert run.profile(measure=True)["peak_bytes"] > 0
     assert compiled_while_measured == [0]
-    assert run.trainer.compiled.graphs >= 2  # the blocks' graphs, with and without grad
+    assert run.trainer.compiled.graphs >= 1  # the blocks' checkpoint region (compile_segments=stack), shared
 
 
 def _convolutions(step) -> int:

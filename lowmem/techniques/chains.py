@@ -71,14 +71,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lowmem.residual import residual_stacks
+from lowmem.residual import compiled_backend, compiled_segments, residual_stacks
 from lowmem.techniques.block_checks import OutputFingerprint, argument_state, has_values
 from lowmem.techniques.compact_shards import gathered_for
-from lowmem.techniques.compilation import checked_key, compiled_call, outside_compiler
+from lowmem.techniques.compilation import checked_key, compiled_call, compiled_whole, outside_compiler
 from lowmem.techniques.compression import compressed_saves, stored_saves
 from lowmem.techniques.norm_routing import route_norm_relu_conv, routed_forward
 from lowmem.techniques.recomputation import (
@@ -516,7 +517,13 @@ class ChainRunner:
         runtime = last.runtime if chained else _Runtime(segment.backprop)
         call = _BlockCall(forward, len(runtime.calls), args[1:], kwargs, x)
         context = _BlockCall.tensors(args[1:], kwargs)
-        call.compile_for(self.blocks[index], x, context)
+        block = self.blocks[index]
+        call.compile_for(block, x, context)
+        if call.compiled is not None and compiled_segments(block) == "stack" and not _saved_tensor_hooks():
+            # trainer.compile_segments=stack, and watched before on such an input: the block is one
+            # compiled checkpoint region (its own; its input kept), recomputed by the compiler.
+            self._last = None
+            return compiled_whole(_block_in_graph, compiled_backend(block))(block, args, kwargs)
         runtime.calls.append(call)
         params = [p for p in self.blocks[index].parameters() if p.requires_grad]
         with compressed_saves(None):  # recomputation starts from the exact input
@@ -526,6 +533,23 @@ class ChainRunner:
         tensors = tensors[: len(tensors) - len(call.side_indices)]
         self._last = _Last(index, number, weakref.ref(tensors[0]), tensors[0]._version, runtime)
         return call.rebuild_output(tensors)
+
+
+def _saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks (compressed or offloaded activations) are active: a compiled
+    checkpoint region would not hand its saved tensors to them."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+
+
+def _block_in_graph(block: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """A chained block's call as the compiler traces it (``trainer.compile_segments=stack``): one
+    ``torch.utils.checkpoint`` region, which the compiler's partitioner recomputes in backward from
+    its inputs (its class's ``forward``: the instance's is lowmem's runner)."""
+    return torch.utils.checkpoint.checkpoint(_class_forward, block, *args, use_reentrant=False, **kwargs)
+
+
+def _class_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return type(block).forward(block, *args, **kwargs)
 
 
 class _BlockCall:

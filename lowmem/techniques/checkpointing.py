@@ -41,8 +41,14 @@ per forward (SPEC §6). Both recomputations are custom ``autograd.Function``s ra
 the way ``residual_star`` needs (SPEC §6).
 
 Under ``torch.compile`` each checkpointed stack's executor runs eagerly (``outside_compiler``: one
-graph break per stack), its blocks too, in forward and in the recomputation alike; a compiled
-block's norm-ReLU-conv triple is the plain one (``lowmem.techniques.compilation``).
+graph break per stack). With ``trainer.compile_segments=blocks`` its segments run as above, each
+block compiled, in forward and in the recomputation alike; a compiled block's norm-ReLU-conv triple
+is the plain one (``lowmem.techniques.compilation``). With ``stack`` (the default), once a run of
+the stack as above let no side output out, the whole stack is one compiled call
+(``_segments_in_graph``): torch's non-reentrant checkpoint as the compiler traces it, whose
+partitioner recomputes each region in backward from its input; ``residual_star``'s segments are one
+region per block (each block's input kept, one block's graph at a time; the compiler leaves the last
+convolution of each block unrecomputed), ``residual``'s one region per segment.
 
 Apply before wrapping the model in DistributedDataParallel; the transformation changes no module,
 parameter or state-dict key, so it composes with precision conversion and sparsity in any order.
@@ -51,10 +57,11 @@ parameter or state-dict key, so it composes with precision conversion and sparsi
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from lowmem import kernels
@@ -62,6 +69,7 @@ from lowmem.kernels import cpu as cpu_kernels
 from lowmem.residual import (
     COMPILED_TRIPLES,
     compiled_backend,
+    compiled_segments,
     conv_output_shape,
     plain_norm_relu_conv,
     relu_of_norm,
@@ -73,7 +81,7 @@ from lowmem.residual import (
 )
 from lowmem.techniques.chains import find_block_chains, install_chains, installed_runners, route_blocks
 from lowmem.techniques.compact import conv2d_backward, dense_weight, index_of, trained_weight
-from lowmem.techniques.compilation import checked_key, compiled_call, outside_compiler
+from lowmem.techniques.compilation import checked_key, compiled_call, compiled_whole, outside_compiler
 from lowmem.techniques.compression import compressed_saves, stored_saves
 from lowmem.techniques.recomputation import (
     BACKPROPS,
@@ -95,6 +103,7 @@ from lowmem.techniques.side_outputs import (
 
 STRATEGIES = ("none", "no_bn", "residual", "residual_star")  # the fixed patterns (`optimal`: lowmem.planning)
 _CHECKED = "_lowmem_checked_inputs"  # on a segment's first block: inputs its compiled blocks may run on
+_CHECKED_WHOLE = "_lowmem_checked_stack_inputs"  # on a stack's first block: inputs its whole compiled runner may run on
 _COMPILED_TRIPLE_COUNT = "_lowmem_compiled_triples"  # on a compiled block: its triples, as a watched forward counted
 _FP32_SLICE = 1 << 15  # elements of a 16-bit tensor widened to FP32 at a time when BN is recomputed
 
@@ -263,6 +272,13 @@ def run_segments(
     """
     if not torch.is_grad_enabled():
         return run_sequentially(blocks, x, context)
+    # trainer.compile_segments=stack: the whole stack as one compiled call, once a run of it as below
+    # (its first, eager and watched) let no side output out for this input.
+    whole = _whole_stack_runner(blocks, segments)
+    key = (*checked_key(blocks, x, context), tuple(segments)) if whole is not None else None
+    if whole is not None and key in blocks[0].__dict__.get(_CHECKED_WHOLE, ()):
+        return whole(blocks, x, context, tuple(segments))
+    escaped = False
     is_tensor = [isinstance(item, torch.Tensor) for item in context]
     context_tensors = [item for item in context if isinstance(item, torch.Tensor)]
     start = 0
@@ -287,10 +303,56 @@ def run_segments(
         with compressed_saves(None):  # recomputation starts from the exact input
             # Its side outputs (lowmem.techniques.side_outputs) come after x: the autograd node
             # connected them where the blocks left them.
-            x, *_ = _CheckpointedSegment.apply(
+            x, *side = _CheckpointedSegment.apply(
                 part, context, is_tensor, (recursive, sharded), x, len(context_tensors), *context_tensors, *params
             )
+            escaped = escaped or bool(side)
+    if whole is not None and not escaped:
+        blocks[0].__dict__.setdefault(_CHECKED_WHOLE, set()).add(key)
     return x
+
+
+def _whole_stack_runner(blocks: Sequence[nn.Module], segments: Sequence[Segment]) -> Callable | None:
+    """The compiled runner of a whole checkpointed stack (``_segments_in_graph``) where its blocks are
+    compiled with ``trainer.compile_segments=stack``, none sharded, no segment stores compressed or
+    offloaded activations and no saved-tensor hooks (compressed or offloaded activations) are
+    active; else None (the segments run block by block)."""
+    first = blocks[0]
+    backend = compiled_backend(first)
+    if backend is None or compiled_segments(first) != "stack":
+        return None
+    if any(compiled_backend(b) != backend or compiled_segments(b) != "stack" or is_fsdp_module(b) for b in blocks):
+        return None
+    if any(s.bits is not None or s.offload for s in segments):
+        return None
+    if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+        return None
+    return compiled_whole(_segments_in_graph, backend)
+
+
+def _segments_in_graph(
+    blocks: Sequence[nn.Module], x: torch.Tensor, context: tuple, segments: tuple[Segment, ...]
+) -> torch.Tensor:
+    """A checkpointed stack as the compiler traces it (``trainer.compile_segments=stack``): each
+    checkpointed segment a ``torch.utils.checkpoint`` region, whose activations the compiler's
+    partitioner recomputes in backward from the region's input instead of saving them (torch's
+    non-reentrant checkpoint traced: the graph keeps only what the backward graph reads, and the
+    BatchNorm running statistics are updated by the forward only)."""
+    start = 0
+    for segment in segments:
+        part = blocks[start : start + segment.blocks]
+        start += segment.blocks
+        if segment.backprop == "stored":
+            x = run_sequentially(part, x, context)
+        elif segment.backprop == "recursively" and _BLOCK_REGIONS:
+            for block in part:
+                x = torch.utils.checkpoint.checkpoint(block, x, *context, use_reentrant=False)
+        else:
+            x = torch.utils.checkpoint.checkpoint(run_sequentially, part, x, context, use_reentrant=False)
+    return x
+
+
+_BLOCK_REGIONS = True
 
 
 class _CheckpointedSegment(torch.autograd.Function):

@@ -31,6 +31,7 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import Tensor
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.utils.flop_counter import conv_flop_count, mm_flop, register_flop_formula
 
 from lowmem.kernels import cpu as cpu_kernels
 from lowmem.techniques.compact import (
@@ -237,6 +238,56 @@ def _embedding_backward(ctx, grad_output):
 
 
 embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup)
+
+
+# --- FLOPs ------------------------------------------------------------------------------------------
+# What a FLOP counter (torch.utils.flop_counter's, which lowmem.profile and the benchmarks use) counts
+# for an operator met in a compiled graph: the dense products it computes from the densified weight,
+# as the eager layer's own aten calls count. (Embedding lookups count none, as aten's.)
+
+
+def _weight_gradient_flops(x_shape: list[int], grad_shape: list[int], shape: list[int]) -> int:
+    """A dense convolution's weight gradient: the convolution of the input by the output gradient
+    (torch's own count, batch and channels swapped)."""
+    swap = lambda s: [s[1], s[0], *s[2:]]  # noqa: E731
+    return conv_flop_count(swap(x_shape), swap(grad_shape), swap(shape))
+
+
+@register_flop_formula(torch.ops.lowmem.compact_conv)
+def _conv_flops(x_shape, values_shape, columns_shape, row_starts_shape, bias_shape, shape, *args, out_shape=None,
+                **kwargs) -> int:  # fmt: skip
+    return conv_flop_count(x_shape, shape, out_shape)
+
+
+@register_flop_formula(torch.ops.lowmem.compact_conv_backward)
+def _conv_backward_flops(grad_shape, x_shape, values_shape, columns_shape, row_starts_shape, shape, stride, padding,
+                         dilation, groups, bias_size, wanted, *, out_shape=None, **kwargs) -> int:  # fmt: skip
+    flops = conv_flop_count(grad_shape, shape, x_shape, transposed=True) if wanted[0] else 0
+    return flops + (_weight_gradient_flops(x_shape, grad_shape, shape) if wanted[1] else 0)
+
+
+def _rows(shape: list[int]) -> int:
+    rows = 1
+    for size in shape[:-1]:
+        rows *= size
+    return rows
+
+
+@register_flop_formula(torch.ops.lowmem.compact_linear)
+def _linear_flops(x_shape, values_shape, columns_shape, row_starts_shape, bias_shape, shape, transposed, *,
+                  out_shape=None, **kwargs) -> int:  # fmt: skip
+    inputs, outputs = (shape[0], shape[1]) if transposed else (shape[1], shape[0])
+    return mm_flop([_rows(x_shape), inputs], [inputs, outputs])
+
+
+@register_flop_formula(torch.ops.lowmem.compact_linear_backward)
+def _linear_backward_flops(grad_shape, x_shape, values_shape, columns_shape, row_starts_shape, shape, transposed,
+                           wanted, *, out_shape=None, **kwargs) -> int:  # fmt: skip
+    rows, inputs = _rows(x_shape), x_shape[-1]
+    outputs = grad_shape[-1]
+    return (mm_flop([rows, outputs], [outputs, inputs]) if wanted[0] else 0) + (
+        mm_flop([inputs, rows], [rows, outputs]) if wanted[1] else 0
+    )
 
 
 # --- the operators' version in inductor's cache key ------------------------------------------------

@@ -14,7 +14,12 @@ runs the call in Python, and starts a new graph after it: one *graph break* each
   compiler cannot trace. Inside them a block runs compiled (``compiled_call``) once a watched eager
   forward found no side output for what ``checked_key`` records, else eagerly and watched; its
   recomputation runs as its forward ran, so the self-check (on a shape's first, eager, call)
-  compares like with like.
+  compares like with like. With ``trainer.compile_segments=stack`` (the default) a residual stack
+  whose first run let no side output out for what ``checked_key`` records runs whole as one compiled
+  call instead (``compiled_whole``; ``checkpointing._segments_in_graph``): each checkpointed segment
+  a ``torch.utils.checkpoint`` region the compiler's partitioner recomputes in backward, no Python
+  of lowmem's per block or microbatch left (``blocks``: the segments as above, the eager run's
+  memory exactly).
 - each compact sparse experts' module (stacked matrices), and a compact embedding under sharded
   training. Compact convolutions, linear layers and embeddings are one operator each in the graph
   (``lowmem.techniques.compact_ops``): no break.
@@ -55,12 +60,20 @@ from lowmem.techniques.compact import compact_layers, compiles_whole, mark_count
 from lowmem.techniques.shards import is_fsdp_module
 
 BACKENDS = ("inductor", "aot_eager", "eager")  # trainer.compile_backend
+SEGMENT_MODES = ("stack", "blocks")  # trainer.compile_segments
 _RECORD = "_lowmem_compile_record"  # the CompileRecord of a model compiled by apply_compile
 
 
-def validate_backend(backend: str) -> None:
-    if backend not in BACKENDS:
+def validate_backend(backend: str | Callable) -> None:
+    """``backend`` one of ``BACKENDS`` (``trainer.compile_backend``), or a ``torch.compile`` backend
+    function of your own (``apply_compile``; the benchmarks count FLOPs with one)."""
+    if not callable(backend) and backend not in BACKENDS:
         raise ValueError(f"trainer.compile_backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)}")
+
+
+def validate_segments(segments: str) -> None:
+    if segments not in SEGMENT_MODES:
+        raise ValueError(f"trainer.compile_segments={segments!r} is unknown; allowed: {', '.join(SEGMENT_MODES)}")
 
 
 def outside_compiler(function: Callable) -> Callable:
@@ -140,12 +153,26 @@ def compiled_call(block: nn.Module, how: str = "module") -> Callable | None:
     return _RUNNERS[key]
 
 
-def mark_compiled_blocks(blocks: list[nn.Module], backend: str) -> None:
+_WHOLE: dict[tuple[Callable, str], Callable] = {}
+
+
+def compiled_whole(function: Callable, backend: str) -> Callable:
+    """``function`` (a whole checkpointed stack's runner, ``trainer.compile_segments=stack``)
+    compiled with ``backend``: one compiled function per runner, its graphs shared by stacks alike
+    in classes and shapes."""
+    key = (function, backend)
+    if key not in _WHOLE:
+        _WHOLE[key] = torch.compile(function, backend=backend, dynamic=False)
+    return _WHOLE[key]
+
+
+def mark_compiled_blocks(blocks: list[nn.Module], backend: str, segments: str = "blocks") -> None:
     """Run ``blocks`` (of checkpointed segments) compiled, in forward and in the recomputation
     alike, once a forward watched eagerly found no side outputs for their input (``checked_key``);
-    their norm-ReLU-conv triples plain (``lowmem.residual.COMPILED_BLOCK``)."""
+    their norm-ReLU-conv triples plain (``lowmem.residual.COMPILED_BLOCK``). ``segments``: how
+    (``trainer.compile_segments``)."""
     for block in blocks:
-        block.__dict__[COMPILED_BLOCK] = CompiledMark(backend)
+        block.__dict__[COMPILED_BLOCK] = CompiledMark(backend, segments)
 
 
 def checked_key(blocks: list[nn.Module], x: torch.Tensor, context: tuple = ()) -> tuple:
@@ -171,10 +198,12 @@ def checked_key(blocks: list[nn.Module], x: torch.Tensor, context: tuple = ()) -
     return tuple(x.shape), x.dtype, x.device, x.requires_grad, others, trained, autocast, hooks, global_hooks
 
 
-def apply_compile(model: nn.Module, backend: str = "inductor") -> CompileRecord:
-    """Compile ``model``'s forward in place (``nn.Module.compile``) with ``backend``; returns the
-    record the trainer fills as the model compiles (``compile_record``)."""
+def apply_compile(model: nn.Module, backend: str | Callable = "inductor", segments: str = "stack") -> CompileRecord:
+    """Compile ``model``'s forward in place (``nn.Module.compile``) with ``backend``, its checkpointed
+    segments as ``segments`` says (``trainer.compile_segments``); returns the record the trainer
+    fills as the model compiles (``compile_record``)."""
     validate_backend(backend)
+    validate_segments(segments)
     if backend == "inductor":
         inductor_cache()
         # Random ops (dropout) draw from torch's generator as eager ops do: a compiled run draws the
@@ -189,7 +218,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> CompileRecord:
     torch._dynamo.config.accumulated_cache_size_limit = max(
         torch._dynamo.config.accumulated_cache_size_limit, 4096
     )
-    mark_compiled_blocks([b for b in checkpointed_blocks(model) if not is_fsdp_module(b)], backend)
+    mark_compiled_blocks([b for b in checkpointed_blocks(model) if not is_fsdp_module(b)], backend, segments)
     # Compact sparse convolutions, linear layers and embeddings are operators of the graph
     # (compact_ops); stacked experts and sharded embeddings run eagerly: one break each.
     from lowmem.techniques import compact_ops  # noqa: F401 - registers the operators
