@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -216,6 +217,44 @@ def test_checked_chain_blocks_run_as_the_segments_mode_says_and_end_where_eager_
     else:
         assert per_step[2] == 3 * per_step[0], per_step
     assert _relative_difference(ends[0], ends[1]) <= 1e-9
+
+
+class _BreakingBlock(nn.Module):
+    """A residual block the compiler cannot take in one graph (an explicit graph break)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(16, 16), nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        y = torch.tanh(self.norm(self.linear(x)))
+        torch._dynamo.graph_break()
+        return x + y
+
+
+def test_a_block_the_compiler_cannot_take_whole_runs_by_blocks_with_a_warning():
+    """``compile_segments=stack`` compiles a block whole or not at all (``fullgraph``): a block with a
+    graph break would otherwise run as eager ``torch.utils.checkpoint``, whose recomputation updates
+    BatchNorm's running statistics twice. It runs by blocks instead, with a warning saying why, and
+    ends where eager ends, running statistics and their counts included."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), *[_BreakingBlock() for _ in range(3)], nn.Linear(16, 4)).double()
+    batch = (torch.randn(12, 8, dtype=torch.float64), torch.randint(0, 4, (12,)))
+    ends = []
+    for compile_ in ("false", "true"):
+        run = lowmem.prepare(copy.deepcopy(base), _classify, batch,
+                             ["precision=fp64", "checkpointing.strategy=residual", f"trainer.compile={compile_}",
+                              "trainer.compile_backend=aot_eager"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                run.step(batch)
+        ends.append({k: v.detach().clone() for k, v in run.model.state_dict().items()})
+        said = [str(w.message) for w in caught if "cannot be compiled whole" in str(w.message)]
+        assert bool(said) == (compile_ == "true"), said
+    assert _relative_difference(ends[0], ends[1]) <= 1e-9
+    counts = [k for k in ends[0] if k.endswith("num_batches_tracked")]
+    assert counts and all(int(ends[1][k]) == 3 for k in counts)
 
 
 def _breaks(model: nn.Module, loss, batch, overrides: list[str]) -> int:

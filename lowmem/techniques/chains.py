@@ -76,10 +76,17 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lowmem.residual import compiled_backend, compiled_segments, residual_stacks
+from lowmem.residual import compiled_backend, residual_stacks
 from lowmem.techniques.block_checks import OutputFingerprint, argument_state, has_values
 from lowmem.techniques.compact_shards import gathered_for
-from lowmem.techniques.compilation import checked_key, compiled_call, compiled_whole, outside_compiler
+from lowmem.techniques.compilation import (
+    NOT_WHOLE,
+    checked_key,
+    compiled_call,
+    outside_compiler,
+    run_whole,
+    whole_allowed,
+)
 from lowmem.techniques.compression import compressed_saves, stored_saves
 from lowmem.techniques.norm_routing import route_norm_relu_conv, routed_forward
 from lowmem.techniques.recomputation import (
@@ -519,11 +526,13 @@ class ChainRunner:
         context = _BlockCall.tensors(args[1:], kwargs)
         block = self.blocks[index]
         call.compile_for(block, x, context)
-        if call.compiled is not None and compiled_segments(block) == "stack" and not _saved_tensor_hooks():
+        if call.compiled is not None and whole_allowed(block) and not _saved_tensor_hooks():
             # trainer.compile_segments=stack, and watched before on such an input: the block is one
             # compiled checkpoint region (its own; its input kept), recomputed by the compiler.
-            self._last = None
-            return compiled_whole(_block_in_graph, compiled_backend(block))(block, args, kwargs)
+            output = run_whole(_block_in_graph, compiled_backend(block), block, block, args, kwargs)
+            if output is not NOT_WHOLE:
+                self._last = None
+                return output
         runtime.calls.append(call)
         params = [p for p in self.blocks[index].parameters() if p.requires_grad]
         with compressed_saves(None):  # recomputation starts from the exact input

@@ -81,7 +81,14 @@ from lowmem.residual import (
 )
 from lowmem.techniques.chains import find_block_chains, install_chains, installed_runners, route_blocks
 from lowmem.techniques.compact import conv2d_backward, dense_weight, index_of, trained_weight
-from lowmem.techniques.compilation import checked_key, compiled_call, compiled_whole, outside_compiler
+from lowmem.techniques.compilation import (
+    NOT_WHOLE,
+    checked_key,
+    compiled_call,
+    outside_compiler,
+    run_whole,
+    whole_allowed,
+)
 from lowmem.techniques.compression import compressed_saves, stored_saves
 from lowmem.techniques.recomputation import (
     BACKPROPS,
@@ -274,10 +281,13 @@ def run_segments(
         return run_sequentially(blocks, x, context)
     # trainer.compile_segments=stack: the whole stack as one compiled call, once a run of it as below
     # (its first, eager and watched) let no side output out for this input.
-    whole = _whole_stack_runner(blocks, segments)
+    whole = _whole_stack_backend(blocks, segments)
     key = (*checked_key(blocks, x, context), tuple(segments)) if whole is not None else None
     if whole is not None and key in blocks[0].__dict__.get(_CHECKED_WHOLE, ()):
-        return whole(blocks, x, context, tuple(segments))
+        output = run_whole(_segments_in_graph, whole, blocks[0], blocks, x, context, tuple(segments))
+        if output is not NOT_WHOLE:
+            return output
+        whole = None
     escaped = False
     is_tensor = [isinstance(item, torch.Tensor) for item in context]
     context_tensors = [item for item in context if isinstance(item, torch.Tensor)]
@@ -312,14 +322,14 @@ def run_segments(
     return x
 
 
-def _whole_stack_runner(blocks: Sequence[nn.Module], segments: Sequence[Segment]) -> Callable | None:
-    """The compiled runner of a whole checkpointed stack (``_segments_in_graph``) where its blocks are
-    compiled with ``trainer.compile_segments=stack``, none sharded, no segment stores compressed or
-    offloaded activations and no saved-tensor hooks (compressed or offloaded activations) are
-    active; else None (the segments run block by block)."""
+def _whole_stack_backend(blocks: Sequence[nn.Module], segments: Sequence[Segment]) -> str | Callable | None:
+    """The compiler backend a whole checkpointed stack runs with (``_segments_in_graph``) where its
+    blocks may run compiled whole (``compilation.whole_allowed``), none is sharded, no segment
+    stores compressed or offloaded activations and no saved-tensor hooks (compressed or offloaded
+    activations) are active; else None (the segments run block by block)."""
     first = blocks[0]
     backend = compiled_backend(first)
-    if backend is None or compiled_segments(first) != "stack":
+    if backend is None or not whole_allowed(first):
         return None
     if any(compiled_backend(b) != backend or compiled_segments(b) != "stack" or is_fsdp_module(b) for b in blocks):
         return None
@@ -327,7 +337,7 @@ def _whole_stack_runner(blocks: Sequence[nn.Module], segments: Sequence[Segment]
         return None
     if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
         return None
-    return compiled_whole(_segments_in_graph, backend)
+    return backend
 
 
 def _segments_in_graph(

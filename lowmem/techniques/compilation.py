@@ -47,6 +47,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,7 +56,14 @@ from torch import nn
 
 from lowmem.kernels import cpu as kernel_cache
 from lowmem.profiler.report import CHAINS_ATTRIBUTE
-from lowmem.residual import COMPILED_BLOCK, COMPILED_TRIPLES, CompiledMark, compiled_backend, residual_stacks
+from lowmem.residual import (
+    COMPILED_BLOCK,
+    COMPILED_TRIPLES,
+    CompiledMark,
+    compiled_backend,
+    compiled_segments,
+    residual_stacks,
+)
 from lowmem.techniques.compact import compact_layers, compiles_whole, mark_counts_dynamic
 from lowmem.techniques.shards import is_fsdp_module
 
@@ -153,17 +161,46 @@ def compiled_call(block: nn.Module, how: str = "module") -> Callable | None:
     return _RUNNERS[key]
 
 
-_WHOLE: dict[tuple[Callable, str], Callable] = {}
+_WHOLE: dict[tuple[Callable, str | Callable], Callable] = {}
+_NOT_WHOLE = "_lowmem_not_whole"  # on a block: why it cannot run compiled whole (compile_segments=stack)
+NOT_WHOLE = object()  # what run_whole returns when the compiler could not take the call whole
 
 
-def compiled_whole(function: Callable, backend: str) -> Callable:
-    """``function`` (a whole checkpointed stack's runner, ``trainer.compile_segments=stack``)
-    compiled with ``backend``: one compiled function per runner, its graphs shared by stacks alike
-    in classes and shapes."""
+def whole_allowed(block: nn.Module) -> bool:
+    """Whether a checkpointed stack or chain block (by its first block) may run compiled whole
+    (``trainer.compile_segments=stack``): its blocks say so, the compiler may compile now (its stance
+    is the default one: not ``force_eager``, as lowmem's accounting passes run a compiled model), and
+    it has not failed to compile it whole before (``run_whole``)."""
+    from torch._dynamo import eval_frame
+
+    return (
+        compiled_segments(block) == "stack"
+        and _NOT_WHOLE not in block.__dict__
+        and getattr(eval_frame._stance, "stance", "default") == "default"
+    )
+
+
+def run_whole(function: Callable, backend: str | Callable, owner: nn.Module, *args: Any) -> Any:
+    """``function(*args)`` compiled whole by ``backend`` (one compiled function per ``function``, whose
+    graphs calls alike in classes and shapes share), or ``NOT_WHOLE`` where the compiler cannot take
+    it in one graph (a graph break in a block, the recompilation limit): ``fullgraph``, so that a
+    checkpoint region never runs as eager ``torch.utils.checkpoint``, whose recomputation updates
+    BatchNorm's running statistics a second time. ``owner`` (the stack's or chain block's first
+    block) then runs by blocks from there on, with a warning that says why."""
     key = (function, backend)
     if key not in _WHOLE:
-        _WHOLE[key] = torch.compile(function, backend=backend, dynamic=False)
-    return _WHOLE[key]
+        _WHOLE[key] = torch.compile(function, backend=backend, dynamic=False, fullgraph=True)
+    try:
+        return _WHOLE[key](*args)
+    except torch._dynamo.exc.TorchDynamoException as error:
+        reason = _first_line(str(error))
+        owner.__dict__[_NOT_WHOLE] = reason
+        warnings.warn(
+            f"trainer.compile_segments=stack: {type(owner).__name__} cannot be compiled whole ({reason}); its "
+            "checkpointed segments run block by block (as trainer.compile_segments=blocks)",
+            stacklevel=2,
+        )
+        return NOT_WHOLE
 
 
 def mark_compiled_blocks(blocks: list[nn.Module], backend: str, segments: str = "blocks") -> None:
