@@ -84,6 +84,8 @@ ROW_FIELDS = {
     "graph_break_reasons": "`trainer.compile=true`: each break's reason (first line and torch's context), with "
     "its count.",
     "compile_backend": "`trainer.compile_backend`.",
+    "compile_segments": "`trainer.compile_segments`: how checkpointed stacks and blocks ran compiled (`stack`: whole, "
+    "the compiler recomputing; `blocks`: lowmem's segments, each block compiled); null when not compiled.",
     "compiled_graphs": "`trainer.compile=true`: graphs compiled (every microbatch shape's).",
     "recompilations": "`trainer.compile=true`: calls after the first that compiled something (another microbatch "
     "shape, a checkpointed block's first compiled run, a rewiring's new sizes).",

@@ -274,7 +274,8 @@ def apply_compile(model: nn.Module, backend: str | Callable = "inductor", segmen
     # A model the user compiled (nn.Module.compile) is compiled again with lowmem's settings.
     model._compiled_call_impl = None
     model.compile(backend=backend)
-    record = CompileRecord(backend)
+    record = CompileRecord(backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend)),
+                           segments)
     object.__setattr__(model, _RECORD, record)  # a plain attribute: no module, parameter or key
     return record
 
@@ -316,8 +317,8 @@ class CompileRecord:
     ``reasons``: each break's first line, with how many times it occurred.
     """
 
-    def __init__(self, backend: str) -> None:
-        self.backend = backend
+    def __init__(self, backend: str, segments: str = "stack") -> None:
+        self.backend, self.segments = backend, segments
         self.graph_breaks: int | None = None
         self.reasons: collections.Counter[str] = collections.Counter()
         self.graphs = 0  # graphs compiled, every compilation included
@@ -348,12 +349,13 @@ class CompileRecord:
     @staticmethod
     def not_compiled() -> dict[str, Any]:
         """``to_json``'s fields for a model that is not compiled."""
-        return {"compile_backend": None, "graph_breaks": None, "graph_break_reasons": {}, "compiled_graphs": 0,
-                "recompilations": 0, "compile_seconds": 0.0}
+        return {"compile_backend": None, "compile_segments": None, "graph_breaks": None, "graph_break_reasons": {},
+                "compiled_graphs": 0, "recompilations": 0, "compile_seconds": 0.0}
 
     def to_json(self) -> dict[str, Any]:
         return {
             "compile_backend": self.backend,
+            "compile_segments": self.segments,
             "graph_breaks": self.graph_breaks,
             "graph_break_reasons": dict(self.reasons.most_common()),
             "compiled_graphs": self.graphs,
