@@ -526,7 +526,7 @@ class ChainRunner:
         context = _BlockCall.tensors(args[1:], kwargs)
         block = self.blocks[index]
         call.compile_for(block, x, context)
-        if call.compiled is not None and whole_allowed(block) and not _saved_tensor_hooks():
+        if call.compiled is not None and whole_allowed(block):
             # trainer.compile_segments=stack, and watched before on such an input: the block is one
             # compiled checkpoint region (its own; its input kept), recomputed by the compiler.
             output = run_whole(_block_in_graph, compiled_backend(block), block, block, args, kwargs)
@@ -542,12 +542,6 @@ class ChainRunner:
         tensors = tensors[: len(tensors) - len(call.side_indices)]
         self._last = _Last(index, number, weakref.ref(tensors[0]), tensors[0]._version, runtime)
         return call.rebuild_output(tensors)
-
-
-def _saved_tensor_hooks() -> bool:
-    """Whether saved-tensor hooks (compressed or offloaded activations) are active: a compiled
-    checkpoint region would not hand its saved tensors to them."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
 
 
 def _block_in_graph(block: nn.Module, args: tuple, kwargs: dict) -> Any:

@@ -324,9 +324,9 @@ def run_segments(
 
 def _whole_stack_backend(blocks: Sequence[nn.Module], segments: Sequence[Segment]) -> str | Callable | None:
     """The compiler backend a whole checkpointed stack runs with (``_segments_in_graph``) where its
-    blocks may run compiled whole (``compilation.whole_allowed``), none is sharded, no segment
-    stores compressed or offloaded activations and no saved-tensor hooks (compressed or offloaded
-    activations) are active; else None (the segments run block by block)."""
+    blocks may run compiled whole now (``compilation.whole_allowed``), none is sharded and no
+    segment stores compressed or offloaded activations; else None (the segments run block by
+    block)."""
     first = blocks[0]
     backend = compiled_backend(first)
     if backend is None or not whole_allowed(first):
@@ -334,8 +334,6 @@ def _whole_stack_backend(blocks: Sequence[nn.Module], segments: Sequence[Segment
     if any(compiled_backend(b) != backend or compiled_segments(b) != "stack" or is_fsdp_module(b) for b in blocks):
         return None
     if any(s.bits is not None or s.offload for s in segments):
-        return None
-    if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
         return None
     return backend
 
@@ -354,15 +352,12 @@ def _segments_in_graph(
         start += segment.blocks
         if segment.backprop == "stored":
             x = run_sequentially(part, x, context)
-        elif segment.backprop == "recursively" and _BLOCK_REGIONS:
+        elif segment.backprop == "recursively":  # a region per block: one block's graph at a time
             for block in part:
                 x = torch.utils.checkpoint.checkpoint(block, x, *context, use_reentrant=False)
         else:
             x = torch.utils.checkpoint.checkpoint(run_sequentially, part, x, context, use_reentrant=False)
     return x
-
-
-_BLOCK_REGIONS = True
 
 
 class _CheckpointedSegment(torch.autograd.Function):

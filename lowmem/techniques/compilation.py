@@ -167,16 +167,19 @@ NOT_WHOLE = object()  # what run_whole returns when the compiler could not take 
 
 
 def whole_allowed(block: nn.Module) -> bool:
-    """Whether a checkpointed stack or chain block (by its first block) may run compiled whole
-    (``trainer.compile_segments=stack``): its blocks say so, the compiler may compile now (its stance
-    is the default one: not ``force_eager``, as lowmem's accounting passes run a compiled model), and
-    it has not failed to compile it whole before (``run_whole``)."""
+    """Whether a checkpointed stack or chain block (by its first block) may run compiled whole now
+    (``trainer.compile_segments=stack``): its blocks say so, the compiler may compile (its stance is
+    the default one: not ``force_eager``, as lowmem's accounting passes run a compiled model), it has
+    not failed to compile it whole before (``run_whole``), and no saved-tensor hooks (compressed or
+    offloaded activations) are active, which a compiled checkpoint region would not hand its saved
+    tensors to."""
     from torch._dynamo import eval_frame
 
     return (
         compiled_segments(block) == "stack"
         and _NOT_WHOLE not in block.__dict__
         and getattr(eval_frame._stance, "stance", "default") == "default"
+        and torch._C._autograd._top_saved_tensors_default_hooks(True) is None
     )
 
 
