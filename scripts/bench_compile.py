@@ -43,7 +43,7 @@ from lowmem.config import compose
 from lowmem.profiler import count_flops, measure_peak, profile_trainer
 from lowmem.profiler.peak import CompiledStepTracker
 from lowmem.run.files import save_bytes
-from lowmem.techniques.compilation import inductor_cache
+from lowmem.techniques.compilation import SEGMENT_MODES, inductor_cache
 from lowmem.trainer import build_trainer
 from recipes.wrn_cifar.model import WideResNet
 
@@ -84,30 +84,16 @@ def compiled_flops(make_trainer: Callable[[], object], segments: str, run_step: 
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_map
-    from torch.utils.flop_counter import flop_registry
 
     from lowmem.techniques.compilation import apply_compile
 
     total = [0]
 
-    def shape(item):
-        return item.shape if isinstance(item, torch.Tensor) else item
-
-    class Counter(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            formula = flop_registry.get(func._overloadpacket)
-            if formula is not None:
-                shapes, kwarg_shapes = tree_map(shape, args), tree_map(shape, kwargs or {})
-                total[0] += formula(*shapes, **kwarg_shapes, out_val=tree_map(shape, out))
-            return out
-
     def counted(graph: torch.fx.GraphModule, _example) -> Callable:
         def run(*args):
-            with Counter():
-                return torch.fx.Interpreter(graph).run(*args)
+            outputs = []  # node by node (fx's Interpreter), so no module hook of the counter's fires
+            total[0] += count_flops(lambda: outputs.append(torch.fx.Interpreter(graph).run(*args)))
+            return outputs[0]
 
         return make_boxed_func(run)
 
@@ -166,7 +152,7 @@ def main() -> None:
     parser.add_argument("--rows", default="2,3,4,5,6,7,full")
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
     parser.add_argument("--cpu-compute", default="auto", help="precision.cpu_compute of the lowmem rows")
-    parser.add_argument("--segments", default="stack", choices=["stack", "blocks"],
+    parser.add_argument("--segments", default="stack", choices=SEGMENT_MODES,
                         help="trainer.compile_segments of the compiled lowmem rows")
     parser.add_argument("--profile", action="store_true",
                         help="also print where each lowmem step's time goes (torch.profiler, one step each; "
@@ -294,7 +280,8 @@ def through_rewirings(args: argparse.Namespace) -> None:
     overrides, _, _ = rows(batch)[name]
     trainer = build_trainer(compose(
         *BASE, *overrides, f"model.depth={depth}", f"model.width={width}", f"data.batch_size={batch}",
-        f"precision.cpu_compute={args.cpu_compute}", "trainer.compile=true", "sparsity.rewire_freq_mult=1000",
+        f"precision.cpu_compute={args.cpu_compute}", "trainer.compile=true",
+        f"trainer.compile_segments={args.segments}", "sparsity.rewire_freq_mult=1000",
     ))  # fmt: skip
     if trainer.sparsity is None or trainer.sparsity.compact is None:
         raise SystemExit(f"--rewirings: row {name} has no compact sparse layers; choose one of rows 4-7 or full")

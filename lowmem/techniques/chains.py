@@ -552,6 +552,8 @@ def _block_in_graph(block: nn.Module, args: tuple, kwargs: dict) -> Any:
 
 
 def _class_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # Not compilation's "forward" runner, which resets COMPILED_TRIPLES: a Python side effect a
+    # checkpoint region may not have under fullgraph.
     return type(block).forward(block, *args, **kwargs)
 
 

@@ -16,7 +16,7 @@ runs the call in Python, and starts a new graph after it: one *graph break* each
   recomputation runs as its forward ran, so the self-check (on a shape's first, eager, call)
   compares like with like. With ``trainer.compile_segments=stack`` (the default) a residual stack
   whose first run let no side output out for what ``checked_key`` records runs whole as one compiled
-  call instead (``compiled_whole``; ``checkpointing._segments_in_graph``): each checkpointed segment
+  call instead (``run_whole``; ``checkpointing._segments_in_graph``): each checkpointed segment
   a ``torch.utils.checkpoint`` region the compiler's partitioner recomputes in backward, no Python
   of lowmem's per block or microbatch left (``blocks``: the segments as above, the eager run's
   memory exactly).
@@ -141,7 +141,17 @@ def _call_module_unread(block: nn.Module, unread: int, *args: Any, **kwargs: Any
 
 
 _FUNCTIONS = {"module": _call_module, "forward": _call_forward, "unread": _call_module_unread}
-_RUNNERS: dict[tuple[str, str], Callable] = {}
+_COMPILED: dict[tuple[Callable, str | Callable, bool], Callable] = {}
+
+
+def _compiled(function: Callable, backend: str | Callable, fullgraph: bool = False) -> Callable:
+    """``function`` through ``torch.compile`` (static shapes), one compiled function per function,
+    backend and ``fullgraph``: its graphs are shared by every block (or stack) alike in classes and
+    shapes, their parameters being graph inputs."""
+    key = (function, backend, fullgraph)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(function, backend=backend, dynamic=False, fullgraph=fullgraph)
+    return _COMPILED[key]
 
 
 def compiled_call(block: nn.Module, how: str = "module") -> Callable | None:
@@ -153,15 +163,9 @@ def compiled_call(block: nn.Module, how: str = "module") -> Callable | None:
     compiled (``mark_compiled_blocks``). One compiled function for all blocks: the compiler's
     graphs are shared by blocks of one class and shapes (their parameters are graph inputs)."""
     backend = compiled_backend(block)
-    if backend is None:
-        return None
-    key = (backend, how)
-    if key not in _RUNNERS:
-        _RUNNERS[key] = torch.compile(_FUNCTIONS[how], backend=backend, dynamic=False)
-    return _RUNNERS[key]
+    return None if backend is None else _compiled(_FUNCTIONS[how], backend)
 
 
-_WHOLE: dict[tuple[Callable, str | Callable], Callable] = {}
 _NOT_WHOLE = "_lowmem_not_whole"  # on a block: why it cannot run compiled whole (compile_segments=stack)
 NOT_WHOLE = object()  # what run_whole returns when the compiler could not take the call whole
 
@@ -190,11 +194,8 @@ def run_whole(function: Callable, backend: str | Callable, owner: nn.Module, *ar
     checkpoint region never runs as eager ``torch.utils.checkpoint``, whose recomputation updates
     BatchNorm's running statistics a second time. ``owner`` (the stack's or chain block's first
     block) then runs by blocks from there on, with a warning that says why."""
-    key = (function, backend)
-    if key not in _WHOLE:
-        _WHOLE[key] = torch.compile(function, backend=backend, dynamic=False, fullgraph=True)
     try:
-        return _WHOLE[key](*args)
+        return _compiled(function, backend, fullgraph=True)(*args)
     except torch._dynamo.exc.TorchDynamoException as error:
         reason = _first_line(str(error))
         owner.__dict__[_NOT_WHOLE] = reason
@@ -206,7 +207,7 @@ def run_whole(function: Callable, backend: str | Callable, owner: nn.Module, *ar
         return NOT_WHOLE
 
 
-def mark_compiled_blocks(blocks: list[nn.Module], backend: str, segments: str = "blocks") -> None:
+def mark_compiled_blocks(blocks: list[nn.Module], backend: str, segments: str) -> None:
     """Run ``blocks`` (of checkpointed segments) compiled, in forward and in the recomputation
     alike, once a forward watched eagerly found no side outputs for their input (``checked_key``);
     their norm-ReLU-conv triples plain (``lowmem.residual.COMPILED_BLOCK``). ``segments``: how
@@ -320,7 +321,7 @@ class CompileRecord:
     ``reasons``: each break's first line, with how many times it occurred.
     """
 
-    def __init__(self, backend: str, segments: str = "stack") -> None:
+    def __init__(self, backend: str, segments: str) -> None:
         self.backend, self.segments = backend, segments
         self.graph_breaks: int | None = None
         self.reasons: collections.Counter[str] = collections.Counter()
