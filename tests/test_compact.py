@@ -283,11 +283,35 @@ def test_densify_and_gather_give_the_flat_positions_results_bitwise(dtype, grad_
     dense_grad = torch.randn(shape, dtype=torch.float64).to(grad_dtype)
     gathered = compact.gather(dense_grad, *index, dtype)
     exact(gathered, dense_grad.reshape(-1).index_select(0, positions.int()).to(dtype))
-    # Channels-last (compiled compact convolutions on a CPU).
+    # Channels-last (compiled compact convolutions on a CPU): the C loops write and read each entry
+    # where that layout has it (no copy through the contiguous layout), wherever they run.
+    copied = []
+    for name in ("densify", "gather"):
+        kernel = getattr(lowmem.kernels.cpu, name)
+        spy = lambda *args, kernel=kernel: copied.append(kernel(*args)) or copied[-1]  # noqa: E731
+        monkeypatch.setattr(lowmem.kernels.cpu, name, spy)
     laid_out = compact.densify(values, *index, shape, torch.channels_last)
     assert laid_out.is_contiguous(memory_format=torch.channels_last) and not laid_out.is_contiguous()
     exact(laid_out, expected)
     exact(compact.gather(dense_grad.contiguous(memory_format=torch.channels_last), *index, dtype), gathered)
+    assert copied == ([True, True] if compact._copied_in_c(values, *index) and dtype == grad_dtype else
+                      [True] if compact._copied_in_c(values, *index) else [])  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [(8, 3, 1, 1), (5, 4, 7, 1), (2, 40_000, 1, 3), (70_000, 1, 2, 2)])
+@pytest.mark.parametrize("density", [0.001, 0.3, 1.0])
+def test_channels_last_copies_of_any_shape_and_density_are_the_contiguous_ones_relaid(shape, density):
+    # Kernels of one entry (both layouts alike), planes wider than a row of 2^15 entries, gaps between
+    # entries of many planes (density 0.001), every entry.
+    positions = random_positions(math.prod(shape), density)
+    index = compact.encode(positions, math.prod(shape))
+    values = torch.randn(positions.numel(), dtype=torch.float64).to(torch.bfloat16)
+    laid_out = compact.densify(values, *index, shape, torch.channels_last)
+    assert laid_out.is_contiguous(memory_format=torch.channels_last)
+    exact(laid_out, compact.densify(values, *index, shape))
+    dense_grad = torch.randn(shape, dtype=torch.float64).to(torch.bfloat16)
+    exact(compact.gather(dense_grad.contiguous(memory_format=torch.channels_last), *index, torch.bfloat16),
+          compact.gather(dense_grad, *index, torch.bfloat16))
 
 
 def test_a_weight_of_any_width_keeps_16_bit_columns_and_computes_exactly():

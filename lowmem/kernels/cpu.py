@@ -74,12 +74,13 @@ _SIGNATURES |= {
                       _ptr, _ptr, _ptr, _f32, _f32, _f32, _f32, _f32, _i32, _f32, _f32, _i32],
 }
 _SIGNATURES |= {
-    "lowmem_densify": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i32],
-    "lowmem_gather": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i32],
+    "lowmem_densify": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i32, _i64, _i64],
+    "lowmem_gather": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i64, _i64],
     "lowmem_quantize_activation": [_i64, _ptr, _i32, _i32, ctypes.c_uint32, _i64, _i64, _ptr, _ptr, _ptr],
     "lowmem_dequantize_activation": [_i64, _ptr, _ptr, _ptr, _i32, _ptr, _i32, _i64, _i64],
     "lowmem_norm_relu": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i64, _i64],
 }
+_RESTYPES = {"lowmem_densify": _i32, "lowmem_gather": _i32}  # the others return nothing
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -223,7 +224,7 @@ def _load(target: Path) -> ctypes.CDLL:
     try:
         for name, argtypes in _SIGNATURES.items():
             function = getattr(lib, name)
-            function.argtypes, function.restype = argtypes, None
+            function.argtypes, function.restype = argtypes, _RESTYPES.get(name)
     except AttributeError:
         # Unload it, or loading the rebuilt file under the same name would return this one again.
         _ctypes.dlclose(lib._handle)
@@ -457,19 +458,25 @@ def copies_compact(*tensors: torch.Tensor) -> bool:
 
 
 def densify(
-    dense: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, row: int
-) -> None:
-    """``dense`` (flat) := zeros with ``values`` at their positions (see ``lowmem.techniques.compact``)."""
-    library().lowmem_densify(dense.data_ptr(), values.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
-                             row_starts.numel() - 1, dense.numel(), row, dense.element_size())  # fmt: skip
+    dense: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, row: int,
+    planes: tuple[int, int] = (1, 1),
+) -> bool:
+    """``dense`` (flat) := zeros with ``values`` at their positions (see ``lowmem.techniques.compact``);
+    ``planes``: (inner, spatial) of a channels-last weight [outer, inner, spatial] that ``dense``
+    holds as [outer, spatial, inner] (default: contiguous). False where the kernel could not allocate
+    its table of one plane's offsets (nothing written)."""
+    return 0 == library().lowmem_densify(dense.data_ptr(), values.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
+                             row_starts.numel() - 1, dense.numel(), row, dense.element_size(), *planes)  # fmt: skip
 
 
 def gather(
-    out: torch.Tensor, dense: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, row: int
-) -> None:
-    """``out`` := the entries of ``dense`` (flat, ``out``'s dtype) at the active positions."""
-    library().lowmem_gather(out.data_ptr(), dense.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
-                            row_starts.numel() - 1, row, out.element_size())  # fmt: skip
+    out: torch.Tensor, dense: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, row: int,
+    planes: tuple[int, int] = (1, 1),
+) -> bool:
+    """``out`` := the entries of ``dense`` (flat, ``out``'s dtype) at the active positions; ``planes``
+    and the result as ``densify``'s."""
+    return 0 == library().lowmem_gather(out.data_ptr(), dense.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
+                            row_starts.numel() - 1, row, out.element_size(), *planes)  # fmt: skip
 
 
 # --- recomputed BatchNorm-ReLU ------------------------------------------------------------------

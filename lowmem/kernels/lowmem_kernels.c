@@ -11,6 +11,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { FP16 = 0, BF16 = 1, FP32 = 2 };
@@ -325,31 +326,68 @@ void lowmem_adam_q(int64_t count, const int64_t *weights, const int64_t *grads, 
 
 /* --- compact sparse weights (lowmem.techniques.compact) ------------------------------------------
  * Active entry i of row r sits at flat position r * row + columns[i] (row_starts: CSR over rows of
- * ``row`` entries). The copies move bits: any dtype of 2, 4 or 8 bytes. */
+ * ``row`` entries), positions strictly increasing. The copies move bits: any dtype of 2, 4 or 8 bytes.
+ *
+ * The dense weight lies in memory contiguously (spatial <= 1) or channels-last: a weight
+ * [outer, inner, spatial] stored as [outer, spatial, inner] (a compiled convolution's layout on a CPU),
+ * where position p = o * plane + (c * spatial + s), plane = inner * spatial, sits at
+ * o * plane + (s * inner + c). The offset within a plane comes from a table of one plane's (made per
+ * call: a plane is small, a weight has many), the plane from a cursor that the increasing positions
+ * move forward (a division where one comes out of order). */
 
-#define DENSIFY(T)                                                                                  \
-    for (int64_t r = 0; r < rows; r++)                                                              \
-        for (int64_t i = row_starts[r]; i < row_starts[r + 1]; i++)                                 \
-            ((T *)dense)[r * row + columns[i]] = ((const T *)values)[i];
+typedef struct { int64_t plane, start; const int32_t *within; } layout_cursor;
 
-void lowmem_densify(void *dense, const void *values, const int16_t *columns, const int64_t *row_starts, int64_t rows,
-                    int64_t numel, int64_t row, int element_size) {
-    memset(dense, 0, (size_t)(numel * element_size));
-    if (element_size == 2) { DENSIFY(uint16_t) }
-    else if (element_size == 4) { DENSIFY(uint32_t) }
-    else { DENSIFY(uint64_t) }
+static int32_t *plane_offsets(int64_t inner, int64_t spatial) {
+    int32_t *within = malloc((size_t)(inner * spatial) * sizeof(int32_t));
+    if (within)
+        for (int64_t c = 0; c < inner; c++)
+            for (int64_t s = 0; s < spatial; s++) within[c * spatial + s] = (int32_t)(s * inner + c);
+    return within;
 }
 
-#define GATHER(T)                                                                                   \
-    for (int64_t r = 0; r < rows; r++)                                                              \
-        for (int64_t i = row_starts[r]; i < row_starts[r + 1]; i++)                                 \
-            ((T *)out)[i] = ((const T *)dense)[r * row + columns[i]];
+ALWAYS_INLINE int64_t laid_out(layout_cursor *k, int64_t p) {
+    if (p < k->start || p - k->start >= k->plane) k->start = p / k->plane * k->plane;
+    return k->start + k->within[p - k->start];
+}
 
-void lowmem_gather(void *out, const void *dense, const int16_t *columns, const int64_t *row_starts, int64_t rows,
-                   int64_t row, int element_size) {
-    if (element_size == 2) { GATHER(uint16_t) }
-    else if (element_size == 4) { GATHER(uint32_t) }
-    else { GATHER(uint64_t) }
+#define COPY_LAID_OUT(T, target, source)                                                            \
+    if (within == NULL) {                                                                           \
+        for (int64_t r = 0; r < rows; r++)                                                          \
+            for (int64_t i = row_starts[r]; i < row_starts[r + 1]; i++) {                           \
+                int64_t p = r * row + columns[i];                                                   \
+                target = source;                                                                    \
+            }                                                                                       \
+    } else {                                                                                        \
+        layout_cursor cursor = {inner * spatial, 0, within};                                     \
+        for (int64_t r = 0; r < rows; r++)                                                          \
+            for (int64_t i = row_starts[r]; i < row_starts[r + 1]; i++) {                           \
+                int64_t p = laid_out(&cursor, r * row + columns[i]);                                \
+                target = source;                                                                    \
+            }                                                                                       \
+    }
+
+/* Returns 0, or -1 where the table could not be allocated (nothing written). */
+int lowmem_densify(void *dense, const void *values, const int16_t *columns, const int64_t *row_starts, int64_t rows,
+                   int64_t numel, int64_t row, int element_size, int64_t inner, int64_t spatial) {
+    int32_t *within = spatial > 1 ? plane_offsets(inner, spatial) : NULL;
+    if (spatial > 1 && within == NULL) return -1;
+    memset(dense, 0, (size_t)(numel * element_size));
+    if (element_size == 2) { COPY_LAID_OUT(uint16_t, ((uint16_t *)dense)[p], ((const uint16_t *)values)[i]) }
+    else if (element_size == 4) { COPY_LAID_OUT(uint32_t, ((uint32_t *)dense)[p], ((const uint32_t *)values)[i]) }
+    else { COPY_LAID_OUT(uint64_t, ((uint64_t *)dense)[p], ((const uint64_t *)values)[i]) }
+    free(within);
+    return 0;
+}
+
+int lowmem_gather(void *out, const void *dense, const int16_t *columns, const int64_t *row_starts, int64_t rows,
+                  int64_t row, int element_size, int64_t inner, int64_t spatial) {
+    int32_t *within = spatial > 1 ? plane_offsets(inner, spatial) : NULL;
+    if (spatial > 1 && within == NULL) return -1;
+    if (element_size == 2) { COPY_LAID_OUT(uint16_t, ((uint16_t *)out)[i], ((const uint16_t *)dense)[p]) }
+    else if (element_size == 4) { COPY_LAID_OUT(uint32_t, ((uint32_t *)out)[i], ((const uint32_t *)dense)[p]) }
+    else { COPY_LAID_OUT(uint64_t, ((uint64_t *)out)[i], ((const uint64_t *)dense)[p]) }
+    free(within);
+    return 0;
 }
 
 /* Saved activations quantized for backward (lowmem/techniques/compression.py, whose torch version is

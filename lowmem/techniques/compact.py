@@ -170,8 +170,14 @@ def densify(
     memory_format: torch.memory_format = torch.contiguous_format,
 ) -> torch.Tensor:  # fmt: skip
     """The dense weight of ``shape``: ``values`` at their positions, zeros elsewhere (no autograd), in
-    ``memory_format`` (channels-last: written in position order, then copied)."""
+    ``memory_format`` (channels-last: the C kernel writes each entry where that layout puts it; the
+    torch fallback writes in position order and copies)."""
+    channels_last = memory_format == torch.channels_last and len(shape) == 4
     if _copied_in_c(values, columns, row_starts):  # one pass, no index scratch
+        if channels_last:
+            dense = torch.empty(shape, dtype=values.dtype, device=values.device, memory_format=torch.channels_last)
+            if cpu_kernels.densify(dense, values, columns, row_starts, ROW, _planes(shape)):
+                return dense
         dense = values.new_empty(math.prod(shape))
         cpu_kernels.densify(dense, values, columns, row_starts, ROW)
     else:
@@ -179,7 +185,7 @@ def densify(
         for entries, positions in positions_by_chunk(columns, row_starts, DENSIFY_CHUNK):
             dense.index_copy_(0, positions, values[entries])
             del positions  # before the next chunk's are built
-    if memory_format == torch.channels_last and len(shape) == 4:
+    if channels_last:
         return dense.view(shape).contiguous(memory_format=memory_format)
     return dense.view(shape)
 
@@ -189,10 +195,16 @@ def gather(
 ) -> torch.Tensor:
     """The entries of ``dense_grad`` (any layout) at the active positions, in ``dtype`` (the compact
     values' gradient). The indices are int32 where the weight allows (half the scratch of int64)."""
+    # Made like the columns (model state): activation profilers see a weight gradient, not an activation's.
+    out = torch.empty_like(columns, dtype=dtype, device=dense_grad.device)
+    if _channels_last(dense_grad) and dtype == dense_grad.dtype:
+        stored = dense_grad.permute(0, 2, 3, 1).reshape(-1)  # its memory in order: a view, no copy
+        if _copied_in_c(stored, columns, row_starts) and cpu_kernels.gather(
+            out, stored, columns, row_starts, ROW, _planes(dense_grad.shape)
+        ):
+            return out
     flat = dense_grad.reshape(-1)
     index_dtype = torch.int32 if flat.numel() <= torch.iinfo(torch.int32).max else torch.int64
-    # Made like the columns (model state): activation profilers see a weight gradient, not an activation's.
-    out = torch.empty_like(columns, dtype=dtype, device=flat.device)
     if dtype == flat.dtype and _copied_in_c(flat, columns, row_starts):
         cpu_kernels.gather(out, flat, columns, row_starts, ROW)
         return out
@@ -203,6 +215,18 @@ def gather(
             out[entries] = flat.index_select(0, positions)
         del positions  # before the next chunk's are built
     return out
+
+
+def _planes(shape: Sequence[int]) -> tuple[int, int]:
+    """(inner, spatial) of a 4-D weight [outer, inner, height, width], as the C kernels' channels-last
+    copies take them."""
+    return shape[1], shape[2] * shape[3]
+
+
+def _channels_last(tensor: torch.Tensor) -> bool:
+    """A 4-D tensor laid out channels-last and not also contiguous (a 1x1 kernel's is both)."""
+    return (tensor.dim() == 4 and not tensor.is_contiguous()
+            and tensor.is_contiguous(memory_format=torch.channels_last))  # fmt: skip
 
 
 def _copied_in_c(values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor) -> bool:
