@@ -111,12 +111,16 @@ def test_the_full_combination_compiled_by_inductor_ends_where_eager_ends(segment
     assert set(trainer.compiled.reasons) == {r for r in trainer.compiled.reasons if "torch.compiler.disable" in r}
 
 
-@pytest.mark.parametrize("strategy", ["residual", "residual_star"])
-def test_a_checked_stack_runs_as_one_compiled_call_and_ends_where_eager_ends(strategy, monkeypatch):
+@pytest.mark.parametrize(("strategy", "backend"), [("residual", "aot_eager"), ("residual_star", "aot_eager"),
+                                                   ("residual_star", "eager")])  # fmt: skip
+def test_a_checked_stack_runs_as_one_compiled_call_and_ends_where_eager_ends(strategy, backend, monkeypatch):
     """``trainer.compile_segments=stack``: a stack's first run is lowmem's own segments, eager and
     watched for side outputs; from the second step on the whole stack is one compiled call, whose
     checkpoint regions the compiler recomputes, and no segment of lowmem's runs. FP64 ends where eager
-    ends, BatchNorm's running statistics (counts too) updated once per forward, as eagerly."""
+    ends, BatchNorm's running statistics (counts too) updated once per forward, as eagerly.
+    The ``eager`` backend (dynamo alone, no AOTAutograd) would run a checkpoint region as eager
+    ``torch.utils.checkpoint``, whose recomputation updates BatchNorm a second time (here backward
+    stopped: a count it saved was changed in place): its stacks run by lowmem's segments, every step."""
     from lowmem.techniques import checkpointing
 
     overrides = (*TINY_WRN, "sparsity.density=0.3", "microbatch.size=5", "microbatch.mode=true",
@@ -126,13 +130,14 @@ def test_a_checked_stack_runs_as_one_compiled_call_and_ends_where_eager_ends(str
     segment_apply = checkpointing._CheckpointedSegment.apply
     monkeypatch.setattr(checkpointing._CheckpointedSegment, "apply", lambda *a: (runs.append(1), segment_apply(*a))[1])
     trainer = build_trainer(make_config("trainer.device=cpu", "precision=fp64", *overrides, "trainer.compile=true",
-                                        "trainer.compile_backend=aot_eager", "trainer.compile_segments=stack"))
+                                        f"trainer.compile_backend={backend}", "trainer.compile_segments=stack"))
     per_step = []
     for batch in trainer.data.train.epoch(0):  # 3 steps, as _steps
         trainer.train_step(batch)
         per_step.append(len(runs))
     compiled = {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()}
-    assert per_step[0] > 0 and per_step[2] == per_step[0], per_step  # lowmem's segments ran in the first step only
+    # lowmem's segments ran in the first step only (the eager backend: in every step)
+    assert per_step[0] > 0 and per_step[2] == per_step[0] * (3 if backend == "eager" else 1), per_step
     assert _relative_difference(eager, compiled) <= 1e-9
     counts = [k for k in eager if k.endswith("num_batches_tracked")]
     assert counts and all(torch.equal(eager[k], compiled[k]) for k in counts)
@@ -291,6 +296,26 @@ def test_graph_breaks_resnet18_and_gpt2():
     assert _breaks(copy.deepcopy(gpt2), _lm_loss, ids, []) == plain
     # 3 checkpointed blocks, measured plain + 10 (lowmem's use_cache line once, 3 per block)
     assert 3 <= _breaks(copy.deepcopy(gpt2), _lm_loss, ids, ["checkpointing.strategy=residual"]) - plain <= 3 * 3 + 1
+
+
+def test_breaks_of_a_first_step_that_compiles_nothing_are_counted_and_a_frame_run_eagerly_is_said():
+    """A model looping over checkpointed blocks in Python: the break at each block call is inside the
+    loop, so dynamo gives up on the loop's frame (it runs eagerly) and, the blocks running watched in
+    the first step, that step compiles no graph. Its breaks are still the count (it read 0)."""
+    from lowmem.techniques.compilation import SKIPPED_FRAMES
+    from tests.helpers import lm_loss, tiny_gpt
+
+    torch._dynamo.reset()
+    tokens = torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(0))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    run = lowmem.prepare(tiny_gpt(d=32, layers=4, ctx=16, dropout=0.0), lm_loss, batch, [
+        "trainer.compile=true", "trainer.compile_backend=eager", "checkpointing.strategy=residual_star"])
+    for _ in range(2):
+        run.step(batch)
+    record = run.trainer.compiled
+    assert record.graph_breaks >= 4, record.reasons  # one at least per block call
+    assert record.reasons[SKIPPED_FRAMES] >= 1, record.reasons
+    assert run.trainer.compile_summary()["graph_break_reasons"][SKIPPED_FRAMES] >= 1
 
 
 def test_graph_breaks_wrn28_and_dynamicconv_in_the_profile():

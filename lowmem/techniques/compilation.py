@@ -176,11 +176,15 @@ def whole_allowed(block: nn.Module) -> bool:
     the default one: not ``force_eager``, as lowmem's accounting passes run a compiled model), it has
     not failed to compile it whole before (``run_whole``), and no saved-tensor hooks (compressed or
     offloaded activations) are active, which a compiled checkpoint region would not hand its saved
-    tensors to."""
+    tensors to. Not with the ``eager`` backend: dynamo alone, without AOTAutograd, runs a checkpoint
+    region as eager ``torch.utils.checkpoint``, whose recomputation updates BatchNorm's running
+    statistics a second time (backward then stops: a count it saved was changed in place). A backend
+    function of your own must trace the joint graph (``aot_autograd``), as the benchmarks' does."""
     from torch._dynamo import eval_frame
 
     return (
         compiled_segments(block) == "stack"
+        and compiled_backend(block) != "eager"
         and _NOT_WHOLE not in block.__dict__
         and getattr(eval_frame._stance, "stance", "default") == "default"
         and torch._C._autograd._top_saved_tensors_default_hooks(True) is None
@@ -307,6 +311,15 @@ def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:
     return model, getattr(model, "_compiled_call_impl", None) is not None
 
 
+# A reason ``CompileRecord`` adds to dynamo's: frames it gave up on (a graph break inside a loop, as a
+# model's loop over checkpointed blocks has), which then run eagerly, every call.
+SKIPPED_FRAMES = "frames run eagerly (dynamo gave up on them: a graph break inside a loop)"
+
+
+def _frames_skipped(counters) -> int:
+    return int(counters["frames"]["total"]) - int(counters["frames"]["ok"])
+
+
 def graphs_compiled() -> int:
     """Graphs ``torch.compile`` has compiled in this process so far (0 before dynamo is imported)."""
     dynamo_utils = sys.modules.get("torch._dynamo.utils")
@@ -331,24 +344,31 @@ class CompileRecord:
 
     @contextlib.contextmanager
     def watch(self) -> Iterator[None]:
-        """Around one call of the model (forward and backward): what it compiled."""
+        """Around one call of the model (forward and backward): what it compiled. The breaks are those
+        of the first call in which dynamo traced anything, whether it compiled a graph or not (a model
+        whose loop over checkpointed blocks breaks runs that loop's frame eagerly and may compile
+        nothing in that call)."""
         from torch._dynamo.utils import counters
 
         breaks_before = collections.Counter(counters["graph_break"])
+        skipped_before = _frames_skipped(counters)
         graphs_before = graphs_compiled()
         started = time.perf_counter()
         yield
         graphs = graphs_compiled() - graphs_before
+        breaks = collections.Counter(counters["graph_break"]) - breaks_before
+        skipped = _frames_skipped(counters) - skipped_before
+        if self.graph_breaks is None and (graphs > 0 or breaks or skipped > 0):
+            self.graph_breaks = sum(breaks.values())
+            for reason, count in breaks.items():
+                self.reasons[_first_line(reason)] += count
+            if skipped > 0:
+                self.reasons[SKIPPED_FRAMES] += skipped
         if graphs <= 0:
             return
         self.compile_seconds += time.perf_counter() - started
         self.graphs += graphs
         self.compilations += 1
-        breaks = collections.Counter(counters["graph_break"]) - breaks_before
-        if self.graph_breaks is None:
-            self.graph_breaks = sum(breaks.values())
-            for reason, count in breaks.items():
-                self.reasons[_first_line(reason)] += count
 
     @staticmethod
     def not_compiled() -> dict[str, Any]:
