@@ -229,13 +229,23 @@ class _CpuKernels:
                 for func, kind in _KIND_OF.items():
                     name = func._schema.name  # "aten::mm": every op here is its default overload
                     replaced = _cpu_kernel(name)
-                    library.impl(name.removeprefix("aten::"), _override(func, kind, replaced), "CPU", with_keyset=True)
+                    library.impl(name.removeprefix("aten::"), _untraced(_override(func, kind, replaced)), "CPU",
+                                 with_keyset=True)  # fmt: skip
                     _NATIVE[func] = functools.partial(replaced.call_boxed, _CPU)
                     if _writes_out(func):
-                        replaced = _cpu_kernel(f"{name}.out")
-                        library.impl(f"{name.removeprefix('aten::')}.out", _out_override(func, kind, replaced), "CPU",
-                                     with_keyset=True)  # fmt: skip
+                        out_kernel = _untraced(_out_override(func, kind, _cpu_kernel(f"{name}.out")))
+                        library.impl(f"{name.removeprefix('aten::')}.out", out_kernel, "CPU", with_keyset=True)
                 cls._library = library
+
+
+def _untraced(kernel: Callable) -> Callable:
+    """``kernel`` with ``torch.compile`` off inside it. A kernel is Python the dispatcher calls, and
+    where it is called from a frame that runs eagerly under a compiled model (a frame dynamo gave up
+    on: a model's loop over checkpointed blocks), dynamo would otherwise try to compile it and the
+    functions it calls, each breaking at the replaced kernel's call: 4 graph breaks and 4 frames'
+    guard lookups per op call (measured: the GPT-style model of ``scripts/bench_compile.py`` with
+    ``cpu_compute=fp32`` and ``residual_star``, 11 breaks against 7 natively)."""
+    return torch.compiler.disable(kernel, recursive=True)
 
 
 def _cpu_kernel(name: str):
