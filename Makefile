@@ -73,6 +73,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_compile.py --models
 	$(PY) scripts/bench_compile.py --models --cpu-compute native
 	$(PY) scripts/bench_compile.py --optimizer
+	$(PY) scripts/bench_compact_layout.py
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) scripts/bench_compile.py --rows 2,3,6,full
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) scripts/bench_compile.py --models
 
