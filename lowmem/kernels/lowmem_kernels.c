@@ -332,12 +332,14 @@ void lowmem_adam_q(int64_t count, const int64_t *weights, const int64_t *grads, 
  * [outer, inner, spatial] stored as [outer, spatial, inner] (a compiled convolution's layout on a CPU),
  * where position p = o * plane + (c * spatial + s), plane = inner * spatial, sits at
  * o * plane + (s * inner + c). The offset within a plane comes from a table of one plane's (made per
- * call: a plane is small, a weight has many), the plane from a cursor that the increasing positions
- * move forward (a division where one comes out of order). */
+ * call: a plane is small, a weight has many), the plane's start from a cursor, found again by a
+ * division only where a position lies outside the cursor's plane. -1 where the table cannot be made
+ * (nothing written): the caller copies by another way. */
 
 typedef struct { int64_t plane, start; const int32_t *within; } layout_cursor;
 
 static int32_t *plane_offsets(int64_t inner, int64_t spatial) {
+    if (inner * spatial > INT32_MAX) return NULL; /* offsets within a plane are int32 */
     int32_t *within = malloc((size_t)(inner * spatial) * sizeof(int32_t));
     if (within)
         for (int64_t c = 0; c < inner; c++)
@@ -358,7 +360,7 @@ ALWAYS_INLINE int64_t laid_out(layout_cursor *k, int64_t p) {
                 target = source;                                                                    \
             }                                                                                       \
     } else {                                                                                        \
-        layout_cursor cursor = {inner * spatial, 0, within};                                     \
+        layout_cursor cursor = {inner * spatial, 0, within};                                        \
         for (int64_t r = 0; r < rows; r++)                                                          \
             for (int64_t i = row_starts[r]; i < row_starts[r + 1]; i++) {                           \
                 int64_t p = laid_out(&cursor, r * row + columns[i]);                                \
@@ -366,7 +368,6 @@ ALWAYS_INLINE int64_t laid_out(layout_cursor *k, int64_t p) {
             }                                                                                       \
     }
 
-/* Returns 0, or -1 where the table could not be allocated (nothing written). */
 int lowmem_densify(void *dense, const void *values, const int16_t *columns, const int64_t *row_starts, int64_t rows,
                    int64_t numel, int64_t row, int element_size, int64_t inner, int64_t spatial) {
     int32_t *within = spatial > 1 ? plane_offsets(inner, spatial) : NULL;

@@ -311,9 +311,9 @@ def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:
     return model, getattr(model, "_compiled_call_impl", None) is not None
 
 
-# A reason ``CompileRecord`` adds to dynamo's: frames it gave up on (a graph break inside a loop, as a
-# model's loop over checkpointed blocks has), which then run eagerly, every call.
-SKIPPED_FRAMES = "frames run eagerly (dynamo gave up on them: a graph break inside a loop)"
+# A reason ``CompileRecord`` adds to dynamo's: frames it gave up on, which then run eagerly, every call
+# (a graph break inside a loop, as a model's loop over checkpointed blocks has; any frame that failed).
+SKIPPED_FRAMES = "frames run eagerly (dynamo gave up on them: e.g. a graph break inside a loop)"
 
 
 def _frames_skipped(counters) -> int:

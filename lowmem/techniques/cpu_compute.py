@@ -242,9 +242,10 @@ def _untraced(kernel: Callable) -> Callable:
     """``kernel`` with ``torch.compile`` off inside it. A kernel is Python the dispatcher calls, and
     where it is called from a frame that runs eagerly under a compiled model (a frame dynamo gave up
     on: a model's loop over checkpointed blocks), dynamo would otherwise try to compile it and the
-    functions it calls, each breaking at the replaced kernel's call: 4 graph breaks and 4 frames'
-    guard lookups per op call (measured: the GPT-style model of ``scripts/bench_compile.py`` with
-    ``cpu_compute=fp32`` and ``residual_star``, 11 breaks against 7 natively)."""
+    functions it calls, each breaking at the replaced kernel's call, and every later call of them ran
+    through the frames dynamo made of them (the GPT-style model of ``scripts/bench_compile.py`` with
+    ``cpu_compute=fp32`` and ``residual_star``: 11 breaks against 7 natively). Importing dynamo for
+    this costs about 0.6 s once per process, where nothing imported it before."""
     return torch.compiler.disable(kernel, recursive=True)
 
 
