@@ -191,7 +191,7 @@ def main() -> None:
             step, trainer, batch_ = lowmem_step([*size, *overrides, f"precision.cpu_compute={args.cpu_compute}",
                                                  f"trainer.compile_segments={args.segments}"], compiled)
             example = batch_
-            flops = profile_trainer(trainer, measure=False).flops
+            flops = graph_flops if compiled else profile_trainer(trainer, measure=False).flops
             started = time.perf_counter()
             step()  # compiles (the checkpointed stacks: at the second step, after an eager watched one)
             step()
@@ -199,8 +199,6 @@ def main() -> None:
             started = time.perf_counter()
             step()
             steady = time.perf_counter() - started
-            if compiled:
-                flops = graph_flops
             peak = measure_peak(step, trainer.unwrapped_model, trainer.optimizer, owners=(trainer,),
                                 arithmetic=trainer.arithmetic())
             with CompiledStepTracker("cpu", trainer.unwrapped_model, trainer.optimizer, owners=(trainer,)) as events:

@@ -463,10 +463,11 @@ def densify(
 ) -> bool:
     """``dense`` (flat) := zeros with ``values`` at their positions (see ``lowmem.techniques.compact``);
     ``planes``: (inner, spatial) of a channels-last weight [outer, inner, spatial] that ``dense``
-    holds as [outer, spatial, inner] (default: contiguous). False where the kernel could not allocate
-    its table of one plane's offsets (nothing written)."""
-    return 0 == library().lowmem_densify(dense.data_ptr(), values.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
-                             row_starts.numel() - 1, dense.numel(), row, dense.element_size(), *planes)  # fmt: skip
+    holds as [outer, spatial, inner] (default: contiguous). False where the kernel cannot make its
+    table of one plane's offsets (a plane over int32, or no memory): nothing written."""
+    status = library().lowmem_densify(dense.data_ptr(), values.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
+                                      row_starts.numel() - 1, dense.numel(), row, dense.element_size(), *planes)
+    return status == 0
 
 
 def gather(
@@ -475,8 +476,9 @@ def gather(
 ) -> bool:
     """``out`` := the entries of ``dense`` (flat, ``out``'s dtype) at the active positions; ``planes``
     and the result as ``densify``'s."""
-    return 0 == library().lowmem_gather(out.data_ptr(), dense.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
-                            row_starts.numel() - 1, row, out.element_size(), *planes)  # fmt: skip
+    status = library().lowmem_gather(out.data_ptr(), dense.data_ptr(), columns.data_ptr(), row_starts.data_ptr(),
+                                     row_starts.numel() - 1, row, out.element_size(), *planes)
+    return status == 0
 
 
 # --- recomputed BatchNorm-ReLU ------------------------------------------------------------------

@@ -24,6 +24,7 @@ changes nothing), wherever the cache lies.
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import torch
@@ -266,24 +267,17 @@ def _conv_backward_flops(grad_shape, x_shape, values_shape, columns_shape, row_s
     return flops + (_weight_gradient_flops(x_shape, grad_shape, shape) if wanted[1] else 0)
 
 
-def _rows(shape: list[int]) -> int:
-    rows = 1
-    for size in shape[:-1]:
-        rows *= size
-    return rows
-
-
 @register_flop_formula(torch.ops.lowmem.compact_linear)
 def _linear_flops(x_shape, values_shape, columns_shape, row_starts_shape, bias_shape, shape, transposed, *,
                   out_shape=None, **kwargs) -> int:  # fmt: skip
     inputs, outputs = (shape[0], shape[1]) if transposed else (shape[1], shape[0])
-    return mm_flop([_rows(x_shape), inputs], [inputs, outputs])
+    return mm_flop([math.prod(x_shape[:-1]), inputs], [inputs, outputs])
 
 
 @register_flop_formula(torch.ops.lowmem.compact_linear_backward)
 def _linear_backward_flops(grad_shape, x_shape, values_shape, columns_shape, row_starts_shape, shape, transposed,
                            wanted, *, out_shape=None, **kwargs) -> int:  # fmt: skip
-    rows, inputs = _rows(x_shape), x_shape[-1]
+    rows, inputs = math.prod(x_shape[:-1]), x_shape[-1]
     outputs = grad_shape[-1]
     return (mm_flop([rows, outputs], [outputs, inputs]) if wanted[0] else 0) + (
         mm_flop([inputs, rows], [rows, outputs]) if wanted[1] else 0

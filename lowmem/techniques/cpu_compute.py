@@ -244,8 +244,8 @@ def _untraced(kernel: Callable) -> Callable:
     on: a model's loop over checkpointed blocks), dynamo would otherwise try to compile it and the
     functions it calls, each breaking at the replaced kernel's call, and every later call of them ran
     through the frames dynamo made of them (the GPT-style model of ``scripts/bench_compile.py`` with
-    ``cpu_compute=fp32`` and ``residual_star``: 11 breaks against 7 natively). Importing dynamo for
-    this costs about 0.6 s once per process, where nothing imported it before."""
+    ``cpu_compute=fp32`` and ``residual_star``: 11 breaks against 7 natively). This imports dynamo,
+    once per process, where nothing imported it before."""
     return torch.compiler.disable(kernel, recursive=True)
 
 
