@@ -76,6 +76,17 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
+def abandon() -> None:
+    """The end of a command under torchrun, whatever ended it: a process group still there (a run
+    that stopped with an error, a refusal, a signal) is torn down without waiting for the other
+    ranks, which may have stopped elsewhere or not at all (``leave`` tore down a finished run's).
+    Left to the interpreter's exit, the group's destructor could abort the process (SIGABRT,
+    "terminate called without an active exception") instead of exiting with the status the error
+    chose: seen once in about six runs of a refused resume's rank 1."""
+    if launched_by_torchrun() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def generation(store: dist.Store) -> int:
     """Which start of the job's workers this is (0 first), the same on every rank. One node: its
     torchrun's restart count. Several: each node's torchrun counts only the restarts its own ranks

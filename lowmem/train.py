@@ -169,4 +169,7 @@ if __name__ == "__main__":
     refuse_unknown_knobs()
     continue_in_first_run_directory()
     quiet_hydra_on_other_ranks()
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    finally:  # after the error line, if any (printed by rank 0, which needs the group to know it)
+        distributed.abandon()

@@ -11,7 +11,9 @@ it: each run one layer with weights and the norms and parameter-free layers afte
 ReLU stays with the layer whose output it changes); the runs are the chain's blocks.
 ``install_chains`` then wraps each block's ``forward`` on the instance, as torch's
 ``apply_activation_checkpointing`` wraps modules, without touching the user's class, module tree,
-parameter names or state-dict keys; the model's own forward keeps calling its blocks as before.
+parameter names or state-dict keys; the model's own forward keeps calling its blocks as before. The
+``nn.Sequential`` calling a chain's blocks (and a plain-layer Sequential, its runs) gets an instance
+``forward`` too: its own loop, which compiled runs whole (``lowmem.techniques.chain_containers``).
 
 How a chain runs is its *plan*: one ``Segment`` (``lowmem.techniques.recomputation``) per block,
 shared by consecutive blocks of one segment. ``stored`` blocks run plainly. In a checkpointed
@@ -78,6 +80,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lowmem.residual import compiled_backend, residual_stacks
 from lowmem.techniques.block_checks import OutputFingerprint, argument_state, has_values
+from lowmem.techniques.chain_containers import ContainerForward, sequential_containers
 from lowmem.techniques.compact_shards import gathered_for
 from lowmem.techniques.compilation import (
     NOT_WHOLE,
@@ -303,6 +306,10 @@ def install_chains(model: nn.Module, chains: Sequence[BlockChain]) -> list[Chain
     """Wrap every block of ``chains`` (plain until a plan is set); replaces earlier wrapping."""
     uninstall_chains(model)
     runners = [ChainRunner(chain) for chain in chains]
+    for runner in runners:
+        if runner.chain.container is None:
+            for container, items, indices in sequential_containers(model, runner.chain.names, runner.blocks):
+                runner.add_container(container, items, indices)
     # A plain attribute, not a submodule: no parameters, no state-dict keys.
     object.__setattr__(model, _RUNNERS, runners)
     configs = _cache_configs(model)
@@ -417,18 +424,6 @@ def _first_parameter(forward: Callable, bound: bool) -> str | None:
     return parameters[0].name
 
 
-class _LayerRuns:
-    """The instance ``forward`` of a plain-layer Sequential whose layer runs are a chain's blocks."""
-
-    def __init__(self, runs: Sequence[nn.Module]) -> None:
-        self.runs = list(runs)
-
-    def __call__(self, x):
-        for run in self.runs:
-            x = run(x)
-        return x
-
-
 @dataclass
 class _Last:
     """The block call a chained block's input must come from."""
@@ -451,8 +446,15 @@ class ChainRunner:
             forward = _ChainedForward(self, index, block.__dict__.get("forward"))
             block.forward = forward
             self.forwards.append(forward)
+        # Containers calling the blocks (a plain-layer Sequential's runs; an nn.Sequential of blocks,
+        # added by install_chains): run whole when compiled (lowmem.techniques.chain_containers).
+        self.containers: list[ContainerForward] = []
         if chain.container is not None:
-            chain.container.forward = _LayerRuns(self.blocks)
+            self.add_container(chain.container, self.blocks, range(len(self.blocks)))
+        # Block calls of checkpointed segments that ran neither compiled nor watched clean (a side
+        # output found, a block not compiled, an input not checkpointed): a container's run that
+        # added none may run whole next time.
+        self.unchecked_calls = 0
         self.plan: list[tuple[int, Segment]] | None = None  # per block: (segment number, segment)
         self.observer: Callable | None = None  # the planner's recorder (lowmem.planning.measure)
         self._last: _Last | None = None
@@ -469,14 +471,25 @@ class ChainRunner:
         self.__dict__.update(state)
         self._checkpointed = outside_compiler(self._checkpointed_call)
 
+    def add_container(self, container: nn.Module, items: Sequence[nn.Module], indices: Sequence[int | None]) -> None:
+        """``container`` calls ``items`` (``indices``: each one's block index, or None): its forward
+        becomes a ``ContainerForward``."""
+        forward = ContainerForward(self, container, items, indices)
+        container.forward = forward
+        self.containers.append(forward)
+
+    def forget_last(self) -> None:
+        """The next block call starts a segment of its own (a container ran whole before it)."""
+        self._last = None
+
     def unwrap(self) -> None:
         for block, forward in zip(self.blocks, self.forwards, strict=True):
             if forward.own is None:
                 block.__dict__.pop("forward", None)
             else:
                 block.forward = forward.own
-        if self.chain.container is not None:
-            self.chain.container.__dict__.pop("forward", None)
+        for container in self.containers:
+            container.owner.__dict__.pop("forward", None)
 
     def set_segments(self, segments: Sequence[Segment] | None) -> None:
         """Run the blocks in ``segments`` (covering the chain exactly), or plainly (None)."""
@@ -504,6 +517,7 @@ class ChainRunner:
         if not usable or self.plan[index][1].backprop == "stored":
             self._last = None
             segment = self.plan[index][1]
+            self.unchecked_calls += segment.backprop != "stored"
             with stored_saves(segment.bits, segment.offload):
                 return forward.plain(*args, **kwargs)
         return self._checkpointed(index, args, kwargs)
@@ -540,6 +554,8 @@ class ChainRunner:
         # After the block's own outputs come its side outputs (lowmem.techniques.side_outputs): the
         # autograd node connected them where the block left them; the caller does not see them here.
         tensors = tensors[: len(tensors) - len(call.side_indices)]
+        if call.compiled is None and (call.checked is None or call.checked not in forward.side_checked):
+            self.unchecked_calls += 1
         self._last = _Last(index, number, weakref.ref(tensors[0]), tensors[0]._version, runtime)
         return call.rebuild_output(tensors)
 

@@ -19,7 +19,9 @@ runs the call in Python, and starts a new graph after it: one *graph break* each
   call instead (``run_whole``; ``checkpointing._segments_in_graph``): each checkpointed segment
   a ``torch.utils.checkpoint`` region the compiler's partitioner recomputes in backward, no Python
   of lowmem's per block or microbatch left (``blocks``: the segments as above, the eager run's
-  memory exactly).
+  memory exactly). So does an ``nn.Sequential`` of a chain's blocks (MobileNet's ``features``,
+  ViT's ``encoder.layers``: ``lowmem.techniques.chain_containers``), and a chain block called
+  otherwise (a model's own loop) is one compiled region of its own.
 - each compact sparse experts' module (stacked matrices), and a compact embedding under sharded
   training. Compact convolutions, linear layers and embeddings are one operator each in the graph
   (``lowmem.techniques.compact_ops``): no break.
@@ -189,6 +191,11 @@ def whole_allowed(block: nn.Module) -> bool:
         and getattr(eval_frame._stance, "stance", "default") == "default"
         and torch._C._autograd._top_saved_tensors_default_hooks(True) is None
     )
+
+
+def whole_refused(owner: nn.Module) -> bool:
+    """Whether ``run_whole`` failed to compile ``owner``'s calls whole before."""
+    return _NOT_WHOLE in owner.__dict__
 
 
 def run_whole(function: Callable, backend: str | Callable, owner: nn.Module, *args: Any) -> Any:
