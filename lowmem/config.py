@@ -348,10 +348,11 @@ class TrainerConfig:
     )
     compile_segments: str = knob(
         "stack",
-        "`trainer.compile=true`: how checkpointed residual stacks run compiled. `stack`: each stack one compiled "
-        "call whose checkpointed segments the compiler recomputes (its partitioner; fastest, the peak may be a "
-        "little above the eager run's); `blocks`: lowmem's own segments, block by block, each block compiled "
-        "(the eager run's memory exactly). Either way a stack's first run is eager and watched for side outputs "
+        "`trainer.compile=true`: how checkpointed residual stacks and chains of blocks run compiled. `stack`: "
+        "each stack (and each nn.Sequential of a chain's blocks; each other chain block) one compiled call whose "
+        "checkpointed segments the compiler recomputes (its partitioner; fastest, the peak may be a little above "
+        "the eager run's); `blocks`: lowmem's own segments, block by block, each block compiled (the eager run's "
+        "memory exactly). Either way a stack's first run is eager and watched for side outputs "
         "(`docs/compile.md`).",
     )
     cuda_graphs: str = knob(
