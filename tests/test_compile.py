@@ -281,19 +281,26 @@ def test_a_sequential_of_checked_blocks_runs_as_one_compiled_call_and_ends_where
     assert len(counts) == 4 and all(int(compiled[k]) == int(eager[k]) == 6 for k in counts)
 
 
-@pytest.mark.parametrize("hook", ["side output", "output changed"])
+@pytest.mark.parametrize("hook", ["side output", "output changed", "output changed after 2 steps"])
 def test_a_container_whose_block_has_hooks_runs_block_by_block_and_ends_where_eager_ends(hook):
     """A block's own hook runs around the block's call, which a whole compiled container does not make;
     a hook that lets a tensor out makes it a side output. Either way the container runs block by block
-    (never whole) and ends where eager ends, the side output's gradient included."""
+    (never whole while the hook is there; a hook added to a container already running whole too) and
+    ends where eager ends, the side output's gradient included."""
     torch.manual_seed(0)
     base = _container_model().double()
     kept: list[torch.Tensor] = []
-    target = base[1][3]  # the third block
-    if hook == "side output":  # its conv output leaves the block: the loss reads it
-        target.conv.register_forward_hook(lambda module, args, output: kept.append(output))
-    else:
-        target.register_forward_hook(lambda module, args, output: output * 2)
+
+    def add_hook(model):
+        target = model[1][3]  # the third block
+        if hook == "side output":  # its conv output leaves the block: the loss reads it
+            target.conv.register_forward_hook(lambda module, args, output: kept.append(output))
+        else:
+            target.register_forward_hook(lambda module, args, output: output * 2)
+
+    later = hook.endswith("after 2 steps")
+    if not later:
+        add_hook(base)
 
     def loss(model, batch):
         kept.clear()
@@ -308,10 +315,16 @@ def test_a_container_whose_block_has_hooks_runs_block_by_block_and_ends_where_ea
         run = lowmem.prepare(copy.deepcopy(base), loss, batch, [
             "precision=fp64", "checkpointing.strategy=residual", "checkpointing.every=2", "microbatch.size=3",
             "microbatch.mode=true", f"trainer.compile={compile_}", "trainer.compile_backend=aot_eager"])
-        for _ in range(3):
-            run.step(batch)
         (container,) = [c for r in chains.installed_runners(run.model) for c in r.containers]
-        assert container.whole_calls == 0
+        for step in range(3):
+            if later and step == 2:
+                add_hook(run.model)
+                whole = container.whole_calls
+            run.step(batch)
+        if later:  # whole before the hook (compiled), never after it
+            assert whole == (3 if compile_ == "true" else 0) and container.whole_calls == whole
+        else:
+            assert container.whole_calls == 0
         ends.append({k: v.detach().clone() for k, v in run.model.state_dict().items()})
     assert _relative_difference(ends[0], ends[1]) <= 1e-9
 

@@ -113,26 +113,31 @@ class ContainerForward:
         parts = self._parts[1]
         if parts is None or self.runner.observer is not None or whole_refused(self.owner):
             return None
-        return parts if whole_allowed(self.blocks()[0]) else None
+        return parts if self._blocks_may_run_whole() else None
 
-    def _make_parts(self, plan: Sequence | None) -> Parts | None:
-        if plan is None:
-            return None
+    def _blocks_may_run_whole(self) -> bool:
+        """What may change between calls under one plan (checked at every call): the blocks compiled
+        alike with ``stack`` (``whole_allowed``: the compiler's stance, no saved-tensor hooks), none
+        with a forward of its own instance or sharded, and no hook that would run around a block's
+        own call (the compiled call runs its class's forward): the block's, or a global one."""
         blocks = self.blocks()
         backend = compiled_backend(blocks[0])
-        for block, index in zip(blocks, (i for i in self.indices if i is not None), strict=True):
-            segment = plan[index][1]
-            if (
-                backend is None
-                or compiled_backend(block) != backend
-                or compiled_segments(block) != "stack"
-                or self.runner.forwards[index].own is not None
-                or is_fsdp_module(block)
-                or _has_own_hooks(block)
-                or segment.bits is not None
-                or segment.offload
-            ):
-                return None
+        if backend is None or not whole_allowed(blocks[0]) or _global_hooks():
+            return False
+        return all(
+            compiled_backend(block) == backend
+            and compiled_segments(block) == "stack"
+            and self.runner.forwards[index].own is None
+            and not is_fsdp_module(block)
+            and not _has_own_hooks(block)
+            for block, index in zip(blocks, (i for i in self.indices if i is not None), strict=True)
+        )
+
+    def _make_parts(self, plan: Sequence | None) -> Parts | None:
+        if plan is None or any(
+            plan[index][1].bits is not None or plan[index][1].offload for index in self.indices if index is not None
+        ):
+            return None
         parts: list[tuple[bool, list[tuple[nn.Module, bool]]]] = []
         joined = None  # the segment number the last region runs (all_at_once), else None
         for item, index in zip(self.items, self.indices, strict=True):
@@ -148,6 +153,17 @@ class ContainerForward:
             parts[-1][1].append((item, True))
             joined = number if segment.backprop == "all_at_once" else None
         return tuple((region, tuple(members)) for region, members in parts)
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as hooks
+
+    return bool(
+        hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
+    )
 
 
 def _has_own_hooks(module: nn.Module) -> bool:
