@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-translation test test-fast lint bench bench-accuracy bench-compress-accuracy bench-fsdp gpu-check gpu-report fairseq docs clean-venv
+.PHONY: demo demo-translation test test-all test-slow lint bench bench-accuracy bench-compress-accuracy bench-fsdp gpu-check gpu-report fairseq docs clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,13 +23,20 @@ demo-translation: $(STAMP)
 
 # The tests in TEST_JOBS processes (pytest-xdist), one thread each on a 2-core machine (tests/conftest.py):
 # most tests are bound by Python, not arithmetic, so one process at a time leaves a core idle.
+# `make test` (what CI runs) leaves out the tests marked slow: the longest cases of capabilities it
+# covers with a shorter one (more models, ranks, parameters); `make test-all` runs every test.
 TEST_JOBS ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist worksteal
 test: $(STAMP)
 	$(PY) -m ruff check lowmem recipes scripts tests
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist worksteal
+	$(PYTEST) -m "not slow"
 
-test-fast: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist worksteal -m "not slow"
+test-all: $(STAMP)
+	$(PY) -m ruff check lowmem recipes scripts tests
+	$(PYTEST)
+
+test-slow: $(STAMP)
+	$(PYTEST) -m slow
 
 lint: $(STAMP)
 	$(PY) -m ruff check lowmem recipes scripts tests

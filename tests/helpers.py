@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from lowmem.config import CONF_DIR
 from lowmem.config import compose as make_config
 
@@ -124,3 +126,9 @@ def start_ranks(fn, args: tuple, nprocs: int) -> None:
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(_RANK_PRELOAD)
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
+def slow(*values: object, id: str | None = None) -> object:  # noqa: A002 (pytest.param's own name)
+    """A parametrized case that only ``make test-all`` runs (marked slow): the longer one of a
+    capability ``make test`` covers with a shorter case."""
+    return pytest.param(*values, marks=pytest.mark.slow, id=id)

@@ -324,6 +324,7 @@ def test_the_accounting_agrees_with_an_independent_count_of_saved_tensors(name):
     assert abs(row["activation_stored_before_backward"] - independent) <= 0.02 * independent
 
 
+@pytest.mark.slow
 def test_plan_overrides_profile_within_the_budget():
     batch = token_batch(16)
     plain = lowmem.prepare(tiny_gpt(), lm_loss, batch, overrides=["trainer.device=cpu"]).profile(measure=False)

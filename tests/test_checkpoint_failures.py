@@ -214,6 +214,7 @@ def test_a_checkpoint_past_the_file_size_limit_is_one_line_and_the_previous_one_
     assert torch.load(checkpoint, weights_only=True)["trainer"]["step"] == 4
 
 
+@pytest.mark.slow
 def test_shards_past_the_file_size_limit_under_torchrun_leave_the_previous_checkpoint(sharded_run, tmp_path):
     run_dir = copy_of(sharded_run, tmp_path)
     before = (run_dir / "checkpoint.pt").read_bytes()

@@ -17,7 +17,7 @@ from lowmem.config import ConfigError
 from lowmem.profiler.peak import measure_peak
 from lowmem.techniques import chains
 from lowmem.trainer import build_trainer
-from tests.helpers import SMALL_DC, TINY_WRN, load_script, make_config
+from tests.helpers import SMALL_DC, TINY_WRN, load_script, make_config, slow
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,7 +98,7 @@ def test_compact_sparse_compiled_trains_through_rewirings_where_eager_does(strat
     assert graphs[1] > 0 and graphs[2] == graphs[1], graphs
 
 
-@pytest.mark.parametrize("segments", ["stack", "blocks"])
+@pytest.mark.parametrize("segments", ["stack", slow("blocks")])
 def test_the_full_combination_compiled_by_inductor_ends_where_eager_ends(segments):
     """Compact sparse, true microbatches, residual_star, FP64: inductor's kernels, and the
     recomputation's self-check never fires (blocks recompute eagerly, as they ran)."""
@@ -173,7 +173,7 @@ def _lm_loss(model, batch):
     return model(input_ids=batch, labels=batch).loss
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "residual", "residual sparse"])
+@pytest.mark.parametrize("checkpointing", [slow("none"), "residual", slow("residual sparse")])
 def test_gpt2_with_dropout_compiled_ends_where_eager_ends(checkpointing):
     """Dropout draws the eager run's masks when compiled (inductor's fallback_random), and a
     checkpointed block's recomputation replays them."""
@@ -670,7 +670,7 @@ def _convolutions(step) -> int:
     return sum(e.count for e in profiled.key_averages() if e.key == "aten::convolution")
 
 
-@pytest.mark.parametrize("density", ["1.0", "0.3"], ids=["dense", "compact sparse"])
+@pytest.mark.parametrize("density", [slow("1.0"), "0.3"], ids=["dense", "compact sparse"])
 def test_a_compiled_residual_star_rebuild_computes_no_last_convolution(density):
     """``residual_star`` rebuilds each block for backprop without its last convolution's output
     (only the block output reads it): compiled as eagerly, the step computes as many convolutions."""
@@ -717,6 +717,7 @@ def test_inductor_cache_keys_hold_the_version_of_lowmem_operators():
     assert isinstance(inductor_config.post_grad_custom_post_pass, compact_ops.OperatorsVersion)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("density", ["1.0", "0.3"], ids=["dense", "compact sparse"])
 def test_amp_residual_star_compiled_ends_where_eager_ends(density):
     """Under autocast the rebuild's unread last convolution backprops in autocast's dtype, as the

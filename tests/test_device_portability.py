@@ -150,6 +150,7 @@ SPARSE_FP16_ADAM = (
 )
 
 
+@pytest.mark.slow
 def test_sparse_fp16_adam_with_stochastic_rounding_resumes_bit_identically(tmp_path):
     straight = train(tmp_path / "straight", *SPARSE_FP16_ADAM, "trainer.max_steps=6")
     train(tmp_path / "first", *SPARSE_FP16_ADAM, "trainer.max_steps=3")

@@ -6,6 +6,7 @@ import os
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import TINY_WRN, make_config, start_ranks
@@ -85,6 +86,7 @@ def test_two_ranks_equal_one_process_and_hold_identical_masks(tmp_path):
     assert (tmp_path / "ddp" / "model.pt").is_file() and not list((tmp_path / "ddp").glob("rank1*.json"))
 
 
+@pytest.mark.slow
 def test_a_two_rank_checkpoint_resumes_on_one_rank(tmp_path):
     _launch(2, tmp_path / "ddp", "trainer.max_steps=2")
     _single(tmp_path / "full", "trainer.max_steps=4")

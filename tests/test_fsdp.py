@@ -237,6 +237,7 @@ def test_masked_rewiring_resets_sharded_8bit_adam_state_at_inactive_positions(tm
     assert checked == 2 * len(masks)  # both moments of every sparse weight
 
 
+@pytest.mark.slow
 def test_compressed_activations_on_two_ranks_equal_one_process(tmp_path):
     """8-bit saved activations under fsdp: each rank's microbatches draw the random bits of the same
     microbatches in one process, and the compact values (views of FSDP2's gathered parameter) are
@@ -265,6 +266,7 @@ DC_OVERRIDES = (
 # Microbatches of 120 tokens cut one rank's share into 4 and the other's into 3 (FSDP2's collectives
 # per microbatch would wait forever; the rank with fewer runs one more, weighted 0). Its dense layers
 # (norms, embeddings) are sharded and compared alike; a dense-only case is left out for time.
+@pytest.mark.slow
 @pytest.mark.parametrize(("density", "tokens"), [("0.3", "120")])
 def test_dynamicconv_on_two_ranks_equals_one_process(tmp_path, density, tokens):
     overrides = (f"sparsity.density={density}", "sparsity.rewire_freq_mult=100", "trainer.max_steps=4",
@@ -286,6 +288,7 @@ def test_ranks_compute_16_bits_as_rank_0_chose(tmp_path):
     assert chosen[0] == chosen[1] == {"convolution": "fp32", "convolution_backward": "fp32", "matmul": "fp32"}
 
 
+@pytest.mark.slow
 def test_amp_on_two_ranks_learns_and_stays_within_a_bf16_rounding_of_one_process(tmp_path):
     """FSDP2 gathers the weights in BF16 (what autocast casts them to) and reduce-scatters each rank's
     BF16 gradients in FP32, where one process's BF16 backward sums the whole minibatch: the runs differ
@@ -346,6 +349,7 @@ def test_a_rewiring_moves_fp16_adam_moments_across_ranks_at_their_values(tmp_pat
     assert (got - expected).abs().max() <= expected.abs().max() * 2.0**-10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "state", [("precision=fp16", "optim.state_bits=4"), ("precision=fp16",)]  # 8-bit: the same code, other widths
 )
@@ -549,6 +553,7 @@ def _torchrun(*args: str, wait: bool = True):
     return process
 
 
+@pytest.mark.slow
 def test_sigterm_under_torchrun_checkpoints_the_shards_and_the_resumed_run_is_bit_identical(tmp_path):
     """``torchrun ... trainer.parallel=fsdp``, SIGTERM to torchrun mid-run: the ranks write their
     shards and rank 0 the checkpoint naming them, and the command it prints resumes to the weights of

@@ -13,6 +13,7 @@ def gpu_report():
     return load_script("gpu_report")
 
 
+@pytest.mark.slow
 def test_the_report_is_written_with_every_part_and_its_provenance(gpu_report, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     chosen = gpu_report.parts(True, tmp_path, check_only=["profile table 3 t3_d10_mb4"], bench_only=["lowmem FP32"],

@@ -363,6 +363,7 @@ def test_llama_peak_is_no_longer_the_logits():
     assert peaks["auto"] < 0.5 * peaks["none"], peaks
 
 
+@pytest.mark.slow
 def test_data_parallel_ranks_train_the_chunked_loss_as_the_unchunked(tmp_path):
     """DDP over two CPU ranks (gloo): DynamicConv's chunked head and loss give the unchunked weights
     (FP64; the reducer's gradient hooks fire on the chunked node's weight gradient)."""

@@ -30,7 +30,7 @@ from lowmem.profiler import (
 from lowmem.profiler.activations import maybe_fake
 from lowmem.techniques.checkpointing import apply_checkpointing
 from recipes.wrn_cifar.model import WideResNet
-from tests.helpers import ROOT, TINY_WRN, make_config
+from tests.helpers import ROOT, TINY_WRN, make_config, slow
 
 F32 = 4  # bytes per FP32 element
 
@@ -334,7 +334,7 @@ DC_MICRO = ("microbatch.size=250", "microbatch.mode=true", "checkpointing.strate
 # ~12 s a row); scripts/table4_memory.py prints all seven rows with both operator sets.
 TABLE_4_PINNED = [
     (2896, ("sparsity.density=1.0", "precision=fp32")),
-    (662, ("sparsity.density=1.0", "precision=fp32", *DC_MICRO)),
+    slow(662, ("sparsity.density=1.0", "precision=fp32", *DC_MICRO)),
     (131, ("sparsity.density=0.3", "precision=fp16", *DC_MICRO)),
 ]
 

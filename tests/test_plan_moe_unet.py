@@ -133,6 +133,7 @@ def test_a_step_neither_pass_can_run_is_refused_in_one_line() -> None:
     assert "\n" not in message and "model.layers.0.mlp.experts" in message and "precision=" in message
 
 
+@pytest.mark.slow
 def test_a_plan_for_a_mixture_of_experts_at_half_its_peak_measures_within_its_budget() -> None:
     batch = token_ids()
     budget = round(0.5 * plain_peak_mb(mixtral, language_model_loss, batch, ["precision=fp32"]), 3)
@@ -154,6 +155,7 @@ def test_a_unet_trains_under_optimal_checkpointing() -> None:
     assert losses[-1] < losses[0], losses
 
 
+@pytest.mark.slow
 def test_a_plan_for_a_unet_at_half_its_peak_measures_within_its_budget() -> None:
     batch = noisy_images()
     budget = round(0.5 * plain_peak_mb(unet, denoising_loss, batch, ["precision=fp32"]), 2)

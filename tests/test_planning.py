@@ -26,7 +26,7 @@ from lowmem.profiler import MB, profile_trainer
 from lowmem.residual import residual_stacks
 from lowmem.techniques.checkpointing import Segment, apply_checkpointing, uniform_schedule
 from lowmem.trainer import build_trainer
-from tests.helpers import ROOT, SMALL_DC, TINY_WRN, make_config
+from tests.helpers import ROOT, SMALL_DC, TINY_WRN, make_config, slow
 
 # --- the dynamic program against brute force ---------------------------------------------------
 
@@ -371,7 +371,8 @@ def test_dc_iwslt_small_shapes():
     assert profile_config(planner.compose(found[0]), measure=False)["total_bytes"] <= total
 
 
-@pytest.mark.parametrize("overrides", [(*TINY_WRN,), (*SMALL_DC, "microbatch.size=200")], ids=["wrn", "dc"])
+@pytest.mark.parametrize("overrides", [(*TINY_WRN,), slow((*SMALL_DC, "microbatch.size=200"))],
+                         ids=["wrn", "dc"])
 def test_the_floor_outside_the_stacks_is_below_every_schedule_and_saves_their_measuring(overrides):
     """``below_floor`` rules microbatch sizes out without measuring blocks: sound only if what the
     model holds outside its stacks is at most every schedule's accounted activations."""

@@ -21,7 +21,7 @@ from lowmem.techniques.precision import convert_model, make_policy
 from lowmem.train import run
 from lowmem.trainer import build_trainer
 from recipes.wrn_cifar.model import WideResNet
-from tests.helpers import ROOT, SMALL_DC, TINY_WRN
+from tests.helpers import ROOT, SMALL_DC, TINY_WRN, slow
 
 CPU = torch.device("cpu")
 BITS = [8, 4]
@@ -185,6 +185,7 @@ def test_the_c_kernel_and_the_fallback_give_the_same_bits_for_50_updates():
     assert _paths_disagree(paths, [torch.float32, torch.float16, torch.bfloat16], steps=50) == []
 
 
+@pytest.mark.slow
 def test_the_triton_kernels_give_the_fallbacks_bits_in_the_interpreter():
     """The CUDA kernels on the CPU through Triton's interpreter, in a subprocess (the variable must be
     set before Triton is imported)."""
@@ -303,9 +304,9 @@ def _train(run_dir: Path, *overrides: str) -> dict:
     "overrides",
     [
         (*TINY_WRN, "precision=bf16", "optim.state_bits=8", "trainer.epochs=2"),
-        (*SMALL_DC, "model.encoder_layers=1", "model.decoder_layers=1", "data.train_size=120",
-         "data.batch_size=300", "precision=fp16", "precision.stochastic_rounding=true", "sparsity.density=0.5",
-         "sparsity.rewire_freq_mult=200", "trainer.epochs=1", "optim.state_bits=4"),
+        slow((*SMALL_DC, "model.encoder_layers=1", "model.decoder_layers=1", "data.train_size=120",
+              "data.batch_size=300", "precision=fp16", "precision.stochastic_rounding=true", "sparsity.density=0.5",
+              "sparsity.rewire_freq_mult=200", "trainer.epochs=1", "optim.state_bits=4")),
     ],
     ids=["wrn-bf16-dense-8bit", "dc-fp16-sparse-4bit"],
 )  # fmt: skip
@@ -330,7 +331,7 @@ def test_resume_is_bit_identical_with_quantized_state(tmp_path, overrides):
 
 @pytest.mark.parametrize(
     "overrides", [("+recipe=wrn_cifar", "precision=bf16", "sparsity.density=0.3"),
-                  ("+recipe=dc_iwslt", "precision=fp16", "sparsity.density=0.5")],
+                  slow(("+recipe=dc_iwslt", "precision=fp16", "sparsity.density=0.5"))],
     ids=["wrn", "dc"],
 )  # fmt: skip
 def test_the_accounted_state_drops_by_the_issues_factors(overrides):
@@ -373,6 +374,7 @@ def test_wrn_sgd_temporaries_stay_small_with_quantized_momentum(monkeypatch, bac
         assert tracker.peak_bytes == tracker.start_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", BITS)
 def test_dynamicconv_adam_temporaries_stay_under_4_mb_on_the_fallback(monkeypatch, bits):
     monkeypatch.setenv("LOWMEM_KERNELS", "torch")

@@ -26,7 +26,7 @@ from lowmem.run.files import read_checkpoint
 from lowmem.run.lock import LOCK_FILE, acquire, release_all
 from lowmem.run.refusals import RunRefused
 from lowmem.train import run
-from tests.helpers import ROOT, SMALL_DC, TINY_WRN, make_config
+from tests.helpers import ROOT, SMALL_DC, TINY_WRN, make_config, slow
 
 # 60 minibatches of 20 (2 epochs of 30): long enough for a signal to land mid-run.
 LONGER = (*TINY_WRN, "data.train_size=600", "trainer.epochs=2", "trainer.log_every=1")
@@ -166,7 +166,7 @@ def uninterrupted(tmp_path_factory) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize(("signum", "code"), [slow(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_checkpoints_the_step_and_the_resumed_run_is_bit_identical(tmp_path, uninterrupted, signum, code):
     process = cli(*LONGER, f"hydra.run.dir={tmp_path}", wait=False)
     metrics = tmp_path / "metrics.jsonl"

@@ -28,7 +28,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from lowmem.config import microbatch_mode, validate
-from tests.helpers import CONF, ROOT, make_config
+from tests.helpers import CONF, ROOT, make_config, slow
 
 SWEEP_DIR = CONF / "sweep"
 SWEEPS = sorted(path.stem for path in SWEEP_DIR.glob("*.yaml") if not path.stem.startswith("_"))
@@ -267,7 +267,11 @@ def dotted(tree: dict, key: str):
     return tree
 
 
-@pytest.mark.parametrize("name", SWEEPS)
+# One sweep of each kind in `make test` (Table 3's, Table 4's); the other sweeps' runs in `make test-all`.
+CLI_IN_MAKE_TEST = {"table3", "table4"}
+
+
+@pytest.mark.parametrize("name", [n if n in CLI_IN_MAKE_TEST else slow(n) for n in SWEEPS])
 def test_one_configuration_runs_through_the_cli(name: str, tmp_path: Path):
     pinned, small, expected = SMOKE[name]
     pinned = (*pinned, "trainer.seed=0")

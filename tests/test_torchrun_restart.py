@@ -147,6 +147,7 @@ def test_a_restarted_generation_does_not_read_the_addresses_the_killed_one_publi
         assert [rank.returncode for rank in ranks] == [0, 0], f"restart {restart}: " + "\n".join(outputs)[-2000:]
 
 
+@pytest.mark.slow
 def test_a_rank_blocked_waiting_for_a_hung_rank_exits_promptly_on_sigterm(tmp_path):
     """Rank 1 stopped (SIGSTOP: a rank that hangs), rank 0 waits for it in a collective, where Python
     runs no signal handler: SIGTERM (what torchrun sends when a rank fails) ends it within

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import lowmem
 from recipes.vision.models import build_classifier
 from scripts.torchvision_families import FAMILIES
+from tests.helpers import slow
 
 # The smallest square image each accepts where 32x32 is too small (scripts/vision_input_sizes.py).
 IMAGE_SIZES = {"alexnet": 63, "inception_v3": 75, "maxvit_t": 224, "vit_b_16": 224}
@@ -27,7 +28,12 @@ def classify(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -
     return F.cross_entropy(model(batch[0]), batch[1])
 
 
-@pytest.mark.parametrize("arch", list(FAMILIES.values()))
+# The slowest three (25, 25, 18 s on a Zen 3 core) run in `make test-all` only: VGG's layer runs and a
+# ViT's encoder are covered in `make test` by tests/test_checkpointing_real_models.py and test_any_model.py.
+SLOW = {"vgg11", "vgg11_bn", "vit_b_16"}
+
+
+@pytest.mark.parametrize("arch", [slow(a) if a in SLOW else a for a in FAMILIES.values()])
 def test_the_full_combination_runs_on_each_torchvision_family(arch: str) -> None:
     size = IMAGE_SIZES.get(arch, 32)
     torch.manual_seed(0)
