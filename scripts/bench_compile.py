@@ -159,6 +159,9 @@ def main() -> None:
                              "with --models, plain BF16 compiled's too)")
     parser.add_argument("--models", action="store_true", help="the any-model rows instead of Table 3's")
     parser.add_argument("--only", default=None, help="with --models: the models whose name contains this")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                        help="with --models: lowmem's precision (fp32: lowmem's techniques against plain FP32 at "
+                             "the same precision, on a CPU without native BF16 kernels)")
     parser.add_argument("--optimizer", action="store_true",
                         help="the optimizer step alone: lowmem's (eager) against torch.optim's eager and compiled")
     parser.add_argument("--rewirings", type=int, default=0, metavar="STEPS",
@@ -303,7 +306,7 @@ def any_models(args: argparse.Namespace) -> None:
     lines = [
         f"CPU: {cpu_name()} | ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(default)')}, "
         f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(default)')} | "
-        f"lowmem precision.cpu_compute={args.cpu_compute} | torch {torch.__version__} | threads "
+        f"lowmem precision={args.precision}, cpu_compute={args.cpu_compute} | torch {torch.__version__} | threads "
         f"{torch.get_num_threads()} | batch 100, microbatches of {MICROBATCH} | median of {args.repeats} | "
         f"trainer.compile_segments={args.segments}",
         "",
@@ -334,7 +337,9 @@ def any_model_row(name: str, make_model: Callable, batch: tuple, loss_fn: Callab
     for compiled in (False, True):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        overrides = ["trainer.device=cpu", *COMBINATION, f"precision.cpu_compute={args.cpu_compute}"]
+        techniques = [o for o in COMBINATION if not o.startswith("precision=")]
+        overrides = ["trainer.device=cpu", *techniques, f"precision={args.precision}",
+                     f"precision.cpu_compute={args.cpu_compute}"]
         key = f"lowmem {'compiled' if compiled else 'eager'}"
         if compiled:  # the FLOPs its compiled graphs run
             flops[key] = compiled_flops(

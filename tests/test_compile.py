@@ -192,7 +192,7 @@ def test_gpt2_with_dropout_compiled_ends_where_eager_ends(checkpointing):
     assert ends[0][1] == pytest.approx(ends[1][1], rel=1e-6)  # the step's loss is recorded in FP32
 
 
-@pytest.mark.parametrize("segments", ["stack", "blocks"])
+@pytest.mark.parametrize("segments", ["stack", slow("blocks")])
 def test_checked_chain_blocks_run_as_the_segments_mode_says_and_end_where_eager_ends(segments, monkeypatch):
     """A transformers GPT-2 (dropout, FP64, ``residual_star`` every 2): with ``compile_segments=stack``
     each block watched once runs as one compiled checkpoint region from the second step on (no

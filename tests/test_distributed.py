@@ -127,6 +127,7 @@ def test_sync_batchnorm_on_cpu_ranks_is_refused_at_start_naming_the_knob(monkeyp
         build_trainer(make_config(*TINY_WRN, "trainer.sync_batchnorm=true", "trainer.device=cpu"))
 
 
+@pytest.mark.slow
 def test_the_profiler_reports_per_rank_memory_under_torchrun(tmp_path):
     import json
     import subprocess

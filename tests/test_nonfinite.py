@@ -19,6 +19,7 @@ from tests.test_run_safety import cli
 DIVERGING = (*TINY_WRN, "trainer.device=cpu", "optim.lr=1e6", "trainer.epochs=6", "data.train_size=200")
 
 
+@pytest.mark.slow
 def test_a_diverging_fp32_run_stops_with_one_line_and_keeps_its_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     done = cli(*DIVERGING, "precision=fp32", f"hydra.run.dir={run_dir}")

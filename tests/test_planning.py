@@ -354,6 +354,7 @@ def test_nothing_fits_names_the_smallest_and_exits_non_zero():
     assert named and named[1] == named[2], output[-2000:]
 
 
+@pytest.mark.slow
 def test_dc_iwslt_small_shapes():
     """The same planner and optimal checkpointing on the translation recipe (two stacks, no BN)."""
     fixed = [*SMALL_DC, "precision=fp32", "microbatch.size=null"]

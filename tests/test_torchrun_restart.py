@@ -118,6 +118,7 @@ os._exit(0 if value.item() == 2 else 1)  # (no clean-up, as a killed rank)
 """
 
 
+@pytest.mark.slow
 def test_a_restarted_generation_does_not_read_the_addresses_the_killed_one_published():
     """torchrun's agent serves one store for every restart of a job. A restart whose rank 1 joins
     while rank 0 is still starting must not read the address the previous rank 0 published there
