@@ -40,17 +40,3 @@ def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
 
-
-# Modules whose tests start processes (torchrun, the command line) or compile with inductor: collected
-# first, so that pytest-xdist's workers start on them and the run ends on short tests, not with one
-# worker idle while the other finishes a 70 s test (worksteal splits the collection into halves).
-LONG_FIRST = (
-    "test_torchrun_restart", "test_fsdp", "test_distributed", "test_compile", "test_checkpoint_failures",
-    "test_budget_real_models", "test_plan_moe_unet", "test_planning", "test_quantized_state", "test_run_safety",
-    "test_trainer", "test_torchvision_families", "test_any_model", "test_head_loss", "test_nonfinite",
-)  # fmt: skip
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(LONG_FIRST)))  # stable: in-module order kept

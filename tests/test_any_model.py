@@ -22,7 +22,7 @@ from torch import nn
 import lowmem
 from lowmem.config import ConfigError
 from lowmem.techniques.chains import find_block_chains
-from tests.helpers import classification_loss, lm_loss, tiny_gpt
+from tests.helpers import classification_loss, lm_loss, slow, tiny_gpt
 
 FP64 = ["precision=fp64", "trainer.device=cpu", "optim.name=sgd", "optim.lr=0.1", "optim.momentum=0.9"]
 
@@ -103,7 +103,7 @@ def test_batchnorm_relu_recomputation_gives_the_plain_step(name, plain_steps):
     assert_same(plain_steps[name], one_step(name, ["checkpointing.strategy=no_bn"]), 0.0, f"{name} no_bn")
 
 
-@pytest.mark.parametrize("name", ["resnet18", "gpt"])
+@pytest.mark.parametrize("name", [slow("resnet18"), "gpt"])
 def test_optimal_checkpointing_gives_the_plain_step_within_its_budget(name, plain_steps):
     make_model, make_batch, loss, _ = MODELS[name]
     plain = lowmem.prepare(make_model(), loss, make_batch(), overrides=FP64).profile(measure=False)

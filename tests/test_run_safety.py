@@ -267,6 +267,7 @@ def test_a_precision_change_on_resume_is_refused_naming_the_knob(tmp_path):
         train(tmp_path / "second", *TINY_WRN, "optim.name=adam", f"trainer.resume={tmp_path / 'first'}")
 
 
+@pytest.mark.slow
 def test_dynamicconv_resumed_into_a_new_directory_ends_bit_identical(tmp_path):
     small = (*SMALL_DC, "data.train_size=40", "data.test_size=2", "model.encoder_layers=1", "model.decoder_layers=1",
              "trainer.epochs=2")
