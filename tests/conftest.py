@@ -39,4 +39,3 @@ def pytest_collection_finish(session):
 
     gc.collect()
     gc.freeze()
-

@@ -99,9 +99,8 @@ def test_compact_sparse_compiled_trains_through_rewirings_where_eager_does(strat
 
 
 # Inductor's kernels in `make test-all` only (compiling them from a cold cache takes a minute on a Zen 3
-# core); `make test` compiles the same graphs with aot_eager, and inductor's kernels for lowmem's
-# operators in test_amp_with_compact_sparse_layers_compiled_ends_where_eager_ends[inductor],
-# test_gpt2_with_dropout_compiled_ends_where_eager_ends and test_a_compiled_residual_star_rebuild_....
+# core); `make test` compiles the same graphs with aot_eager, and runs inductor's kernels for lowmem's
+# operators in the GPT-2 dropout, residual_star rebuild and AMP compact-sparse (inductor) tests below.
 @pytest.mark.parametrize(("segments", "backend"), [("stack", "aot_eager"), slow("stack", "inductor"),
                                                    slow("blocks", "inductor")])  # fmt: skip
 def test_the_full_combination_compiled_ends_where_eager_ends(segments, backend):
