@@ -16,6 +16,7 @@ from torch import nn
 import lowmem
 from lowmem.config import ConfigError
 from lowmem.planning.search import Planner
+from tests.helpers import slow
 
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
@@ -76,7 +77,7 @@ MODELS = {
 SLOW = {"timm_convnext_atto", "timm_efficientnet_b0", "llama", "gpt2"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in MODELS])
+@pytest.mark.parametrize("name", [slow(n) if n in SLOW else n for n in MODELS])
 def test_a_planned_configuration_measures_within_its_budget(name: str) -> None:
     build, loss, batch_of, budget = MODELS[name]
     torch.manual_seed(0)
