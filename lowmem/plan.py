@@ -45,6 +45,7 @@ from omegaconf import DictConfig
 from lowmem.api import plan as plan_model
 from lowmem.config import ConfigError, register_configs
 from lowmem.planning.budget import plan_search
+from lowmem.profiler.peak import freeze_imports
 from lowmem.run.command import one_line_errors, refuse_unknown_knobs
 from lowmem.run.files import save_json
 
@@ -64,6 +65,7 @@ def plan(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
+    freeze_imports()  # (the search measures many steps: each walks the live objects)
     row = plan(cfg, list(HydraConfig.get().overrides.task))
     save_json(row, Path(HydraConfig.get().runtime.output_dir) / "plan.json")
     print(json.dumps(row), flush=True)

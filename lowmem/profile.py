@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from lowmem import distributed
 from lowmem.config import register_configs
 from lowmem.profiler import profile_row
+from lowmem.profiler.peak import freeze_imports
 from lowmem.run.command import one_line_errors, refuse_unknown_knobs
 from lowmem.run.files import save_json
 from lowmem.trainer import build_trainer, resolve_device
@@ -57,6 +58,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
+    freeze_imports()
     row = run(cfg)
     name = "profile.json" if row["world_size"] == 1 else f"profile.rank{row['rank']}.json"
     save_json(row, Path(HydraConfig.get().runtime.output_dir) / name)

@@ -125,6 +125,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
+    import lowmem.trainer  # noqa: F401  (imported by run: frozen with the rest below)
+    from lowmem.profiler.peak import freeze_imports
+
+    freeze_imports()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     single = HydraConfig.get().mode == RunMode.RUN
     if single:

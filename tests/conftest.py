@@ -34,8 +34,8 @@ def pytest_collection_finish(session):
     tensors (``lowmem.profiler.peak``), and a test process starts with ~610k objects where
     ``python -m lowmem.train`` starts with ~255k. Frozen objects are neither collected nor walked
     (tests/test_any_model.py and test_trainer.py, 2 workers, a Zen 3: 131 s -> 110 s). Tensors made
-    at import time are then not counted among a run's "other" tensors; none is a run's."""
-    import gc
+    at import time are then not counted among a run's "other" tensors; none is a run's. (The
+    commands do the same, ``lowmem.profiler.peak.freeze_imports``.)"""
+    from lowmem.profiler.peak import freeze_imports
 
-    gc.collect()
-    gc.freeze()
+    freeze_imports()
