@@ -100,7 +100,7 @@ def test_compact_sparse_compiled_trains_through_rewirings_where_eager_does(strat
 
 # Inductor's kernels in `make test-all` only (compiling them from a cold cache takes a minute on a Zen 3
 # core); `make test` compiles the same graphs with aot_eager, and runs inductor's kernels for lowmem's
-# operators in the GPT-2 dropout, residual_star rebuild and AMP compact-sparse (inductor) tests below.
+# operators in the residual_star rebuild, AMP compact-sparse (inductor) and GPT-2 chain-blocks tests below.
 @pytest.mark.parametrize(("segments", "backend"), [("stack", "aot_eager"), slow("stack", "inductor"),
                                                    slow("blocks", "inductor")])  # fmt: skip
 def test_the_full_combination_compiled_ends_where_eager_ends(segments, backend):
@@ -159,8 +159,11 @@ def test_dynamicconv_compiled_ends_where_eager_ends():
 
 
 def test_dynamicconv_compact_sparse_compiles_without_a_break_and_ends_where_eager_ends():
-    """Compact linear layers, the bare output weight and the embeddings are operators of the graph."""
-    overrides = (*SMALL_DC, "sparsity.density=0.3", "loss.chunk_tokens=none")
+    """Compact linear layers, the bare output weight and the embeddings are operators of the graph.
+    One layer each side: dynamo traces the whole model twice (the second batch's shape recompiles it
+    with dynamic sizes), which for SMALL_DC's five layers took 40 s on a Zen 3 core."""
+    overrides = (*SMALL_DC, "model.encoder_layers=1", "model.decoder_layers=1", "sparsity.density=0.3",
+                 "loss.chunk_tokens=none")
     eager, _ = _steps(overrides, steps=2)
     compiled, trainer = _steps((*overrides, "trainer.compile=true", "trainer.compile_backend=aot_eager"), steps=2)
     assert _relative_difference(eager, compiled) <= 1e-9
@@ -179,7 +182,10 @@ def _lm_loss(model, batch):
     return model(input_ids=batch, labels=batch).loss
 
 
-@pytest.mark.parametrize("checkpointing", [slow("none"), "residual", slow("residual sparse")])
+# `make test-all` only (its cold inductor compile: 50-70 s on a Zen 3 core): `make test` compiles GPT-2 with
+# dropout and checkpointed blocks with inductor in the chain-blocks test below (`stack`).
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", ["none", "residual", "residual sparse"])
 def test_gpt2_with_dropout_compiled_ends_where_eager_ends(checkpointing):
     """Dropout draws the eager run's masks when compiled (inductor's fallback_random), and a
     checkpointed block's recomputation replays them."""

@@ -23,14 +23,14 @@ from tests.helpers import ROOT
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks' processes in /proc")
 
-# 10 steps of 20 examples per epoch, 2 epochs, a checkpoint after each; FP64 so that a resumed run
+# 5 steps of 20 examples per epoch, 2 epochs, a checkpoint after each; FP64 so that a resumed run
 # is bit-identical to an uninterrupted one.
 OVERRIDES = (
     "+recipe=wrn_cifar",
     "data=fake",
     "model.depth=10",
     "model.width=1",
-    "data.train_size=200",
+    "data.train_size=100",
     "data.test_size=20",
     "data.batch_size=20",
     "precision=fp64",
@@ -84,14 +84,14 @@ def _gone(pid: int) -> bool:
 
 
 def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path):
-    """``kill -9`` of rank 0 at step 14 (the last checkpoint at step 10), in Hydra's default run
-    directory (named by the start time): torchrun's restart continues in that directory from step 10
+    """``kill -9`` of rank 0 at step 7 (the last checkpoint at step 5), in Hydra's default run
+    directory (named by the start time): torchrun's restart continues in that directory from step 5
     and ends bit-identical to an uninterrupted run, each step logged once."""
     whole = _torchrun(tmp_path, f"hydra.run.dir={tmp_path / 'whole'}")  # (both at once: half the wait)
     killed = _torchrun(tmp_path, restarts=1)
     try:
         logs = lambda: tmp_path.glob("outputs/*/*/metrics.jsonl")  # noqa: E731
-        _wait_for(lambda: any(len(_logged_steps(metrics)) >= 14 for metrics in logs()), "step 14")
+        _wait_for(lambda: any(len(_logged_steps(metrics)) >= 7 for metrics in logs()), "step 7")
         os.kill(_ranks(killed.pid)[0], signal.SIGKILL)
         out, _ = killed.communicate(timeout=300)
         whole_out, _ = whole.communicate(timeout=300)
@@ -102,7 +102,7 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint_and_ends_as_an
     assert killed.returncode == 0, out[-3000:]
     (run_dir,) = tmp_path.glob("outputs/*/*")  # the restart did not start a directory of its own
     assert "holds an interrupted run of this configuration: continuing it" in out
-    assert _logged_steps(run_dir / "metrics.jsonl") == list(range(1, 21))
+    assert _logged_steps(run_dir / "metrics.jsonl") == list(range(1, 11))
     expected, resumed = (torch.load(d / "model.pt", weights_only=True) for d in (tmp_path / "whole", run_dir))
     assert expected.keys() == resumed.keys() and all(torch.equal(expected[k], resumed[k]) for k in expected)
 

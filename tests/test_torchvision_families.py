@@ -30,7 +30,9 @@ def classify(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -
 
 # The slowest four (12-25 s each on a Zen 3 core) run in `make test-all` only: VGG's layer runs and a
 # ViT's encoder are covered in `make test` by tests/test_checkpointing_real_models.py and test_any_model.py.
-SLOW = {"vgg11", "vgg11_bn", "vit_b_16", "maxvit_t"}
+# So do the larger twin of a family `make test` keeps (4-10 s each): wide_resnet50_2 (resnext50_32x4d's
+# bottleneck blocks), swin_v2_t (swin_t), efficientnet_v2_s (efficientnet_b0).
+SLOW = {"vgg11", "vgg11_bn", "vit_b_16", "maxvit_t", "wide_resnet50_2", "swin_v2_t", "efficientnet_v2_s"}
 
 
 @pytest.mark.parametrize("arch", [slow(a) if a in SLOW else a for a in FAMILIES.values()])
