@@ -204,12 +204,43 @@ def test_gpt2_with_dropout_compiled_ends_where_eager_ends(checkpointing):
     assert ends[0][1] == pytest.approx(ends[1][1], rel=1e-6)  # the step's loss is recorded in FP32
 
 
-@pytest.mark.parametrize("segments", ["stack", slow("blocks")])
-def test_checked_chain_blocks_run_as_the_segments_mode_says_and_end_where_eager_ends(segments, monkeypatch):
+class _DropoutBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.dropout = nn.Linear(16, 16), nn.Dropout(0.3)
+
+    def forward(self, x):
+        return x + self.dropout(torch.tanh(self.linear(x)))
+
+
+def test_dropout_under_inductor_is_replayed_by_the_recomputation_as_eagerly():
+    """Inductor draws dropout's masks as eager code does (``fallback_random``), and a checkpointed
+    block's compiled recomputation replays them: FP64, 3 steps, end where eager ends. (The GPT-2
+    tests below do the same on a library model in `make test-all`: 50-70 s of inductor compiling
+    from a cold cache on a Zen 3 core, this model a few.)"""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), *[_DropoutBlock() for _ in range(3)], nn.Linear(16, 4)).double()
+    batch = (torch.randn(12, 8, dtype=torch.float64), torch.randint(0, 4, (12,)))
+    ends = []
+    for compile_ in ("false", "true"):
+        torch.manual_seed(2)
+        run = lowmem.prepare(copy.deepcopy(base), _classify, batch,
+                             ["precision=fp64", "checkpointing.strategy=residual", f"trainer.compile={compile_}"])
+        for _ in range(3):
+            run.step(batch)
+        ends.append({k: v.detach().clone() for k, v in run.model.state_dict().items()})
+        assert compile_ == "false" or run.trainer.compiled.graphs >= 1
+    assert _relative_difference(ends[0], ends[1]) <= 1e-9
+
+
+@pytest.mark.parametrize(("segments", "backend"), [("stack", "aot_eager"), slow("stack", "inductor"),
+                                                   slow("blocks", "inductor")])  # fmt: skip
+def test_checked_chain_blocks_run_as_the_segments_mode_says_and_end_where_eager_ends(segments, backend, monkeypatch):
     """A transformers GPT-2 (dropout, FP64, ``residual_star`` every 2): with ``compile_segments=stack``
     each block watched once runs as one compiled checkpoint region from the second step on (no
     autograd node of lowmem's per block); with ``blocks`` through lowmem's node, compiled inside.
-    Both end where eager ends, dropout masks included."""
+    Both end where eager ends, dropout masks included. (`make test`: aot_eager, the graphs lowmem
+    makes; inductor's kernels for them in `make test-all`.)"""
 
     ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(1))
     base = _gpt2().double()
@@ -219,7 +250,8 @@ def test_checked_chain_blocks_run_as_the_segments_mode_says_and_end_where_eager_
     for compile_ in ("false", "true"):
         torch.manual_seed(2)
         overrides = ["precision=fp64", "checkpointing.strategy=residual_star", "checkpointing.every=2",
-                     f"trainer.compile={compile_}", f"trainer.compile_segments={segments}"]
+                     f"trainer.compile={compile_}", f"trainer.compile_segments={segments}",
+                     f"trainer.compile_backend={backend}"]
         run = lowmem.prepare(copy.deepcopy(base), _lm_loss, ids, overrides)
         monkeypatch.setattr(chains._ChainedBlock, "apply", lambda *a: (nodes.append(1), chained_apply(*a))[1])
         per_step = []
