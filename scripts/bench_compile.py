@@ -23,6 +23,10 @@ resnet18 and mobilenet_v3_small, a small ViT, a GPT-style model; batch 100) thro
     .venv/bin/python scripts/bench_compile.py [--tiny] [--repeats 5] [--rows 2,3,4,5,6,7,full] [--out FILE]
     .venv/bin/python scripts/bench_compile.py --models [--only NAME] [--cpu-compute native]
     .venv/bin/python scripts/bench_compile.py --rewirings 8 [--tiny] [--rows 4]
+
+``--models --attribute``: an any-model row's compiled lowmem step taken apart (the combination,
+dense with its checkpointing, compact sparse without it, dense without either) against plain
+PyTorch compiled at the same microbatch size and precision: what each technique costs.
 """
 
 from __future__ import annotations
@@ -162,6 +166,8 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
                         help="with --models: lowmem's precision (fp32: lowmem's techniques against plain FP32 at "
                              "the same precision, on a CPU without native BF16 kernels)")
+    parser.add_argument("--attribute", action="store_true",
+                        help="with --models: each model's compiled lowmem step with its techniques taken apart")
     parser.add_argument("--optimizer", action="store_true",
                         help="the optimizer step alone: lowmem's (eager) against torch.optim's eager and compiled")
     parser.add_argument("--rewirings", type=int, default=0, metavar="STEPS",
@@ -171,6 +177,9 @@ def main() -> None:
     inductor_cache()
     if args.rewirings:
         through_rewirings(args)
+        return
+    if args.models and args.attribute:
+        attribution(args)
         return
     if args.models:
         any_models(args)
@@ -391,6 +400,58 @@ def any_model_row(name: str, make_model: Callable, batch: tuple, loss_fn: Callab
         f"{t[f'plain {torch.bfloat16} eager']:.3f} | {t[plain16]:.3f} | {t[plain32]:.3f} | {breaks} | "
         f"{compile_s:.1f} |"
     )
+
+
+def attribution(args: argparse.Namespace) -> None:
+    """Per model: lowmem's compiled step with its techniques taken apart, timed round-robin with
+    plain PyTorch compiled at microbatches of 10 in lowmem's precision (the same FLOPs but for the
+    recomputation's: ratios of step times)."""
+    from bench_your_model import COMBINATION, MICROBATCH, models, plain_microbatched_step
+
+    import lowmem
+
+    star = [o for o in COMBINATION if o.startswith("checkpointing.")]
+    sparse = [o for o in COMBINATION if o.startswith("sparsity.")]
+    parts = {"combination": [*sparse, *star], "dense, checkpointed": star, "compact sparse alone": sparse,
+             "dense, no checkpointing": []}  # fmt: skip
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.precision]
+    print(f"CPU: {cpu_name()} | lowmem precision={args.precision}, cpu_compute={args.cpu_compute} | torch "
+          f"{torch.__version__} | threads {torch.get_num_threads()} | batch 100, microbatches of {MICROBATCH} "
+          f"(true) | median of {args.repeats} | compiled, trainer.compile_segments={args.segments}\n")
+    print("| model | lowmem configuration | step s | vs plain compiled | compile s |\n|---|---|---|---|---|")
+    for name, (make_model, batch, loss_fn) in models(100).items():
+        if args.only is not None and args.only not in name:
+            continue
+        steps: dict[str, Callable[[], object]] = {}
+        compile_s: dict[str, float] = {}
+        for part, techniques in parts.items():
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            run = lowmem.prepare(make_model(), loss_fn, batch, overrides=[
+                "trainer.device=cpu", f"precision={args.precision}", f"precision.cpu_compute={args.cpu_compute}",
+                f"microbatch.size={MICROBATCH}", "microbatch.mode=true", *techniques, "trainer.compile=true",
+                f"trainer.compile_segments={args.segments}"])  # fmt: skip
+            started = time.perf_counter()
+            run.step(batch)  # compiles (checkpointed stacks: at the second step)
+            run.step(batch)
+            first = time.perf_counter() - started
+            started = time.perf_counter()
+            run.step(batch)
+            compile_s[part] = max(0.0, first - 2 * (time.perf_counter() - started))
+            steps[part] = functools.partial(run.step, batch)
+        torch.manual_seed(0)
+        model = make_model().to(dtype)
+        model.compile()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        typed = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+        steps["plain"] = plain_microbatched_step(model, optimizer, loss_fn, typed, MICROBATCH)
+        steps["plain"]()
+        steps["plain"]()
+        gc.collect()
+        t = median_round_robin(steps, args.repeats)
+        for part in parts:
+            print(f"| {name} | {part} | {t[part]:.3f} | {t[part] / t['plain']:.2f}x | {compile_s[part]:.1f} |")
+        print(f"| {name} | plain PyTorch compiled | {t['plain']:.3f} | 1.00x | |", flush=True)
 
 
 def optimizer_steps(args: argparse.Namespace) -> None:
