@@ -334,6 +334,18 @@ def any_models(args: argparse.Namespace) -> None:
         save_bytes(text.encode(), args.out)
 
 
+def _warm_up(run, batch) -> float:
+    """Three steps of a prepared run: the first two compile (checkpointed stacks at the second, after
+    an eager watched one). The compile time: the first two less twice the third (0 run eagerly)."""
+    started = time.perf_counter()
+    run.step(batch)
+    run.step(batch)
+    first = time.perf_counter() - started
+    started = time.perf_counter()
+    run.step(batch)
+    return max(0.0, first - 2 * (time.perf_counter() - started))
+
+
 def any_model_row(name: str, make_model: Callable, batch: tuple, loss_fn: Callable, args: argparse.Namespace) -> str:
     from bench_your_model import COMBINATION, MICROBATCH, plain_microbatched_step
 
@@ -361,14 +373,9 @@ def any_model_row(name: str, make_model: Callable, batch: tuple, loss_fn: Callab
             *overrides, f"trainer.compile={str(compiled).lower()}", f"trainer.compile_segments={args.segments}"])
         if not compiled:
             flops[key] = run.profile(measure=False)["flops"]
-        started = time.perf_counter()
-        run.step(batch)  # compiles (checkpointed stacks: at the second step)
-        run.step(batch)
-        first = time.perf_counter() - started
-        started = time.perf_counter()
-        run.step(batch)
+        warm_up_s = _warm_up(run, batch)
         if compiled:
-            compile_s = max(0.0, first - 2 * (time.perf_counter() - started))
+            compile_s = warm_up_s
             breaks = run.trainer.compile_summary()["graph_breaks"]
         steps[key] = functools.partial(run.step, batch)
     for dtype in (torch.bfloat16, torch.float32):
@@ -431,13 +438,7 @@ def attribution(args: argparse.Namespace) -> None:
                 "trainer.device=cpu", f"precision={args.precision}", f"precision.cpu_compute={args.cpu_compute}",
                 f"microbatch.size={MICROBATCH}", "microbatch.mode=true", *techniques, "trainer.compile=true",
                 f"trainer.compile_segments={args.segments}"])  # fmt: skip
-            started = time.perf_counter()
-            run.step(batch)  # compiles (checkpointed stacks: at the second step)
-            run.step(batch)
-            first = time.perf_counter() - started
-            started = time.perf_counter()
-            run.step(batch)
-            compile_s[part] = max(0.0, first - 2 * (time.perf_counter() - started))
+            compile_s[part] = _warm_up(run, batch)
             steps[part] = functools.partial(run.step, batch)
         torch.manual_seed(0)
         model = make_model().to(dtype)
