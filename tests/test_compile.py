@@ -100,7 +100,8 @@ def test_compact_sparse_compiled_trains_through_rewirings_where_eager_does(strat
 
 # Inductor's kernels in `make test-all` only (compiling them from a cold cache takes a minute on a Zen 3
 # core); `make test` compiles the same graphs with aot_eager, and runs inductor's kernels for lowmem's
-# operators in the residual_star rebuild, AMP compact-sparse (inductor) and GPT-2 chain-blocks tests below.
+# operators in the residual_star rebuild and AMP compact-sparse (inductor) tests below, and inductor's dropout
+# replay in test_dropout_under_inductor_is_replayed_by_the_recomputation_as_eagerly.
 @pytest.mark.parametrize(("segments", "backend"), [("stack", "aot_eager"), slow("stack", "inductor"),
                                                    slow("blocks", "inductor")])  # fmt: skip
 def test_the_full_combination_compiled_ends_where_eager_ends(segments, backend):
@@ -182,8 +183,8 @@ def _lm_loss(model, batch):
     return model(input_ids=batch, labels=batch).loss
 
 
-# `make test-all` only (its cold inductor compile: 50-70 s on a Zen 3 core): `make test` compiles GPT-2 with
-# dropout and checkpointed blocks with inductor in the chain-blocks test below (`stack`).
+# `make test-all` only (its cold inductor compile: 50-70 s on a Zen 3 core): `make test` checks inductor's
+# dropout replay on a small residual model (the next test), and GPT-2's chain blocks with aot_eager.
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", ["none", "residual", "residual sparse"])
 def test_gpt2_with_dropout_compiled_ends_where_eager_ends(checkpointing):
