@@ -98,6 +98,58 @@ def test_compact_sparse_compiled_trains_through_rewirings_where_eager_does(strat
     assert graphs[1] > 0 and graphs[2] == graphs[1], graphs
 
 
+@pytest.mark.parametrize("strategy", ["none", "residual_star"])
+def test_compact_layers_compiled_as_operators_end_where_eager_ends(strategy, monkeypatch):
+    """A compact weight above ``compact.TRACED_BYTES`` runs in compiled code as one operator
+    (``lowmem.techniques.compact_ops``), a smaller one as traced ops. WRN-10-1's weights are all small:
+    with the bound at 0 every layer is an operator, and a compiled run still ends where eager ends."""
+    from lowmem.techniques import compact
+
+    monkeypatch.setattr(compact, "TRACED_BYTES", 0)
+    overrides = (*TINY_WRN, "sparsity.density=0.3", "microbatch.size=5", "microbatch.mode=true",
+                 f"checkpointing.strategy={strategy}")
+    eager, _ = _steps(overrides)
+    compiled, trainer = _steps((*overrides, "trainer.compile=true", "trainer.compile_backend=aot_eager"))
+    assert _relative_difference(eager, compiled) <= 1e-9
+    assert trainer.compiled.graph_breaks == (0 if strategy == "none" else 3)
+
+
+def test_a_compiled_compact_layer_saves_no_dense_weight_for_backward():
+    """Compiled code builds a small compact weight (traced ops) where its layer computes and again in
+    backward, as the eager layer does: the tensors the compiler saves for backward (inductor's
+    decompositions and min-cut partitioner) hold no dense weight, nor a zero tensor of a dense
+    weight's size (three layers of one shape: inductor's decompositions and the compiler's merging of
+    equal calls made one ``zeros`` of the layers, saved: measured); and the gradients are eager's.
+    (An operator saves its inputs only.)"""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    saved: list[int] = []
+
+    def backward_compiler(graph: torch.fx.GraphModule, inputs: list) -> torch.fx.GraphModule:
+        sizes = (t.numel() for t in inputs if isinstance(t, torch.Tensor))
+        saved.extend(size for size in sizes if isinstance(size, int))  # a compact count may be a symbol
+        return graph
+
+    backend = aot_autograd(fw_compiler=lambda graph, _: graph, bw_compiler=backward_compiler,
+                           partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+    torch.manual_seed(0)
+    conv = lambda: [nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.ReLU()]  # noqa: E731
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), *conv(), *conv(), *conv(), nn.Flatten(),
+                          nn.Linear(16 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 10)).double()  # fmt: skip
+    batch = (torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randint(0, 10, (4,)))
+    run = lowmem.prepare(model, _classify, batch, ["precision=fp64", "sparsity.density=0.3"])
+    assert len(run.trainer.sparsity.compact.counts) == 4  # the three convolutions and the first linear
+    _classify(run.model, batch).backward()
+    eager = {name: p.grad.clone() for name, p in run.model.named_parameters()}
+    run.model.zero_grad(set_to_none=True)
+    _classify(torch.compile(run.model, backend=backend, fullgraph=True), batch).backward()
+    assert saved, "no backward graph was compiled"
+    assert not {16 * 16 * 9, 16 * 8 * 8 * 64} & set(saved), saved
+    assert all(torch.equal(eager[name], p.grad) for name, p in run.model.named_parameters())
+
+
 # Inductor's kernels in `make test-all` only (compiling them from a cold cache takes a minute on a Zen 3
 # core); `make test` compiles the same graphs with aot_eager, and runs inductor's kernels for lowmem's
 # operators in the residual_star rebuild and AMP compact-sparse (inductor) tests below, and inductor's dropout
@@ -666,7 +718,8 @@ def test_a_block_watched_while_frozen_is_watched_again_once_trained():
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_amp_with_compact_sparse_layers_compiled_ends_where_eager_ends(backend):
-    """Under autocast the compact operators get the operands autocast would give the eager layer."""
+    """Under autocast the compact layers (traced ops here: small weights) compute in autocast's dtype
+    as the eager layer does."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     batch = (torch.randn(16, 32), torch.randint(0, 10, (16,)))

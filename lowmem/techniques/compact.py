@@ -75,6 +75,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.checkpoint import checkpoint
 
 from lowmem.kernels import cpu as cpu_kernels
 from lowmem.residual import conv_output_shape
@@ -93,6 +94,9 @@ ROW = 1 << 15  # entries per row of a flattened weight: every column index fits 
 # the dense weight gradient, its gathered entries and those of the weights before it in a
 # checkpointed segment, a step's peak moment).
 DENSIFY_CHUNK, GATHER_CHUNK = 1 << 17, 1 << 16
+# A compact convolution whose dense weight takes at most this in FP32 computes its backward in one
+# kernel call (``conv_backward``): the dense weight and its gradient then live together.
+ONE_CALL_BYTES = 1 << 20
 
 
 # --- positions: CSR over rows of ROW entries ----------------------------------------------------------
@@ -188,6 +192,48 @@ def densify(
     if channels_last:
         return dense.view(shape).contiguous(memory_format=memory_format)
     return dense.view(shape)
+
+
+# --- compiled code: a small weight built by ops the compiler traces --------------------------------------
+# In compiled code a compact layer is one opaque operator (``lowmem.techniques.compact_ops``), whose
+# every call passes through Python: ~0.1-0.3 ms per layer and microbatch, forward and backward, which
+# a small layer's own kernels do not outweigh (mobilenet_v3_small at 32x32 in microbatches of 10: a
+# compiled compact sparse step 1.33x plain PyTorch compiled, FP32 on a Zen 3; docs/compile.md). A
+# weight of at most ``TRACED_BYTES`` in FP32 (where the operator computes its backward in one kernel
+# call too, ``ONE_CALL_BYTES``: the dense weight and its gradient alive together) is built instead by
+# ops the compiler traces (``traced_dense``), which inductor turns into kernels of its own, and the
+# layer's convolution or product is the graph's own. The dense weight stays what it is eagerly: built
+# where the layer computes and dropped after, never saved for backward (``recomputed_dense``).
+TRACED_BYTES = ONE_CALL_BYTES
+
+
+def traced(shape: Sequence[int]) -> bool:
+    """Whether compiled code builds a compact weight of dense ``shape`` by traced ops."""
+    return math.prod(shape) * 4 <= TRACED_BYTES
+
+
+def traced_dense(values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, shape: Sequence[int]
+                 ) -> torch.Tensor:  # fmt: skip
+    """``densify`` as ops a compiler traces (through autograd: the values' gradient is the dense
+    gradient at the active positions). An entry's row is found by binary search in the row starts
+    (one row: the columns are the positions). The zeros come from padding an empty slice of the
+    values, not from a new ``zeros``: the compiler merges equal factory calls of a graph into one
+    tensor, and one zero tensor shared by the layers of a shape was then saved for backward,
+    alive from forward to backward (mobilenet_v3_small: 0.9 MB)."""
+    if row_starts.shape[0] <= 2:
+        positions = columns.long()
+    else:
+        entries = torch.arange(values.shape[0], device=values.device)
+        positions = torch.searchsorted(row_starts[1:-1], entries, right=True) * ROW + columns
+    return F.pad(values[:0], (0, math.prod(shape))).index_put((positions,), values).view(shape)
+
+
+def recomputed_dense(values: torch.Tensor, columns: torch.Tensor, row_starts: torch.Tensor, shape: Sequence[int]
+                     ) -> torch.Tensor:  # fmt: skip
+    """``traced_dense`` in compiled code inside ``torch.utils.checkpoint``: the compiler marks its ops
+    to be recomputed for backward (its partitioner recomputes such ops whatever they cost), so it never
+    saves the dense weight: backward builds it again, as the eager layer's does."""
+    return checkpoint(traced_dense, values, columns, row_starts, tuple(shape), use_reentrant=False)
 
 
 def gather(
@@ -326,10 +372,6 @@ def _own_tensor(output: torch.Tensor) -> torch.Tensor:
 
 
 CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}  # by number of spatial dims
-
-# A compact convolution whose dense weight takes at most this in FP32 computes its backward in one
-# kernel call (``conv_backward``): the dense weight and its gradient then live together.
-ONE_CALL_BYTES = 1 << 20
 
 
 def conv_backward(
@@ -619,6 +661,10 @@ def _autocast_operands(
 
 class _CompactConvolutionModule(_CompactModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and traced(self.compact_shape("weight")):  # the graph's own ops
+            weight = recomputed_dense(self.weight_values, *_index(self, "weight"), self.compact_shape("weight"))
+            return CONVOLUTIONS[len(self.stride)](x, weight, self.bias, self.stride, self.padding, self.dilation,
+                                                  self.groups)  # fmt: skip
         if torch.compiler.is_compiling():  # one op of the graph (lowmem.techniques.compact_ops)
             x, values, bias = _autocast_operands(x, self.weight_values, self.bias)
             return torch.ops.lowmem.compact_conv(
@@ -676,6 +722,8 @@ class CompactConv3d(_CompactConvolutionModule, nn.Conv3d):
 class CompactLinear(_CompactModule, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.compact_shape("weight")
+        if torch.compiler.is_compiling() and traced(shape):  # the graph's own ops
+            return F.linear(x, recomputed_dense(self.weight_values, *_index(self, "weight"), shape), self.bias)
         if torch.compiler.is_compiling():  # one op of the graph
             x, values, bias = _autocast_operands(x, self.weight_values, self.bias)
             return torch.ops.lowmem.compact_linear(x, values, *_index(self, "weight"), bias, list(shape), False)
@@ -699,6 +747,11 @@ class _CompactTransposedLinear(_CompactModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.compact_shape("weight")
+        if torch.compiler.is_compiling() and traced(shape):  # the graph's own ops, as Conv1D computes
+            weight = recomputed_dense(self.weight_values, *_index(self, "weight"), shape)
+            x_2d = x.reshape(-1, x.shape[-1])
+            out = x_2d.mm(weight) if self.bias is None else torch.addmm(self.bias, x_2d, weight)
+            return out.view(*x.shape[:-1], shape[1])
         if torch.compiler.is_compiling():  # one op of the graph
             x, values, bias = _autocast_operands(x, self.weight_values, self.bias)
             return torch.ops.lowmem.compact_linear(x, values, *_index(self, "weight"), bias, list(shape), True)
@@ -739,8 +792,9 @@ def compact_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def compiles_whole(layer: nn.Module) -> bool:
-    """Whether compiled code runs compact ``layer`` as one operator (``lowmem.techniques.compact_ops``):
-    convolutions, linear layers, transformers' ``Conv1D`` and embeddings (not under sharded training)."""
+    """Whether compiled code runs compact ``layer`` without a graph break: as one operator
+    (``lowmem.techniques.compact_ops``) or, a small weight (``traced``), as traced ops: convolutions,
+    linear layers, transformers' ``Conv1D`` and embeddings (not under sharded training)."""
     if isinstance(layer, _CompactConvolutionModule):
         return True  # padded by numbers (check_compactable refuses a padding by name)
     if isinstance(layer, CompactEmbedding):
