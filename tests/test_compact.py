@@ -265,6 +265,24 @@ def test_positions_round_trip_through_int16_columns_and_row_starts_in_chunks_of_
                 exact(got, positions[entries].to(dtype))
 
 
+@pytest.mark.parametrize("numel", [3 * 3 * 16 * 16, compact.ROW, 9 * compact.ROW + 123], ids=["one row", "a full row",
+                                                                                              "ten rows"])
+def test_the_traced_dense_weight_of_compiled_code_is_densify_bitwise_and_its_gradient_is_gather(numel):
+    """``compact.traced_dense`` (small weights in compiled code: ops the compiler traces) builds
+    ``densify``'s weight, an empty row and the last partial one included, and autograd gives the
+    values' gradient ``gather`` gives. A layer with no active entry builds zeros."""
+    positions = random_positions(numel, 0.6, empty_rows=(2,) if numel > 3 * compact.ROW else ())
+    index = compact.encode(positions, numel)
+    values = torch.randn(positions.numel(), dtype=torch.float64, requires_grad=True)
+    traced = compact.traced_dense(values, *index, (numel,))
+    exact(traced, compact.densify(values.detach(), *index, (numel,)))
+    dense_grad = torch.randn(numel, dtype=torch.float64)
+    traced.backward(dense_grad)
+    exact(values.grad, compact.gather(dense_grad, *index, torch.float64))
+    nothing = compact.encode(positions[:0], numel)
+    exact(compact.traced_dense(values[:0], *nothing, (numel,)), torch.zeros(numel, dtype=torch.float64))
+
+
 @pytest.mark.parametrize(("dtype", "grad_dtype"), [(torch.float64, torch.float64), (torch.bfloat16, torch.bfloat16),
                                                    (torch.float32, torch.bfloat16)])  # fmt: skip
 @pytest.mark.parametrize("kernels", ["auto", "torch"])

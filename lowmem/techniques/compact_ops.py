@@ -5,6 +5,8 @@ use (``lowmem.techniques.compact``): code ``torch.compile`` cannot trace. Regist
 ``torch.library`` custom operators, each layer is one opaque node of the compiled graph — no graph
 break — whose backward is another (``register_autograd``): they run the same functions as the
 eager layer's autograd node, so a compiled step computes the eager step's bits for these layers.
+A layer of a small weight (``compact.traced``) is not one of these in compiled code but traced ops
+(``compact.recomputed_dense``): an operator's every call passes through Python.
 
 - ``lowmem::compact_conv`` / ``lowmem::compact_conv_backward``: ``nn.Conv1d/2d/3d`` (numeric padding);
 - ``lowmem::compact_linear`` / ``lowmem::compact_linear_backward``: ``nn.Linear``, transformers'
