@@ -151,9 +151,9 @@ def test_a_compiled_compact_layer_saves_no_dense_weight_for_backward():
 
 
 # Inductor's kernels in `make test-all` only (compiling them from a cold cache takes a minute on a Zen 3
-# core); `make test` compiles the same graphs with aot_eager, and runs inductor's kernels for lowmem's
-# operators in the residual_star rebuild and AMP compact-sparse (inductor) tests below, and inductor's dropout
-# replay in test_dropout_under_inductor_is_replayed_by_the_recomputation_as_eagerly.
+# core); `make test` compiles the same graphs with aot_eager, and runs inductor's kernels for compact layers
+# (traced ops) in the AMP compact-sparse (inductor) test below, and inductor's dropout replay in
+# test_dropout_under_inductor_is_replayed_by_the_recomputation_as_eagerly.
 @pytest.mark.parametrize(("segments", "backend"), [("stack", "aot_eager"), slow("stack", "inductor"),
                                                    slow("blocks", "inductor")])  # fmt: skip
 def test_the_full_combination_compiled_ends_where_eager_ends(segments, backend):
