@@ -346,8 +346,26 @@ def _warm_up(run, batch) -> float:
     return max(0.0, first - 2 * (time.perf_counter() - started))
 
 
+def _plain_warmed_up(make_model: Callable, batch: tuple, loss_fn: Callable, dtype: torch.dtype,
+                     compiled: bool) -> Callable[[], None]:
+    """Plain PyTorch's step (SGD, microbatches of ``bench_your_model.MICROBATCH``) of a new model in
+    ``dtype``, compiled or not, after two steps (the first compiles)."""
+    from bench_your_model import MICROBATCH, plain_microbatched_step
+
+    torch.manual_seed(0)
+    model = make_model().to(dtype)
+    if compiled:
+        model.compile()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    typed = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+    step = plain_microbatched_step(model, optimizer, loss_fn, typed, MICROBATCH)
+    step()
+    step()
+    return step
+
+
 def any_model_row(name: str, make_model: Callable, batch: tuple, loss_fn: Callable, args: argparse.Namespace) -> str:
-    from bench_your_model import COMBINATION, MICROBATCH, plain_microbatched_step
+    from bench_your_model import COMBINATION
 
     import lowmem
     from lowmem.api import to_training
@@ -380,15 +398,7 @@ def any_model_row(name: str, make_model: Callable, batch: tuple, loss_fn: Callab
         steps[key] = functools.partial(run.step, batch)
     for dtype in (torch.bfloat16, torch.float32):
         for compiled in (False, True):
-            torch.manual_seed(0)
-            model = make_model().to(dtype)
-            if compiled:
-                model.compile()
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
-            typed = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
-            step = plain_microbatched_step(model, optimizer, loss_fn, typed, MICROBATCH)
-            step()
-            step()
+            step = _plain_warmed_up(make_model, batch, loss_fn, dtype, compiled)
             key = f"plain {dtype} {'compiled' if compiled else 'eager'}"
             with torch.compiler.set_stance("force_eager"):
                 flops[key] = count_flops(step)
@@ -413,7 +423,7 @@ def attribution(args: argparse.Namespace) -> None:
     """Per model: lowmem's compiled step with its techniques taken apart, timed round-robin with
     plain PyTorch compiled at microbatches of 10 in lowmem's precision (the same FLOPs but for the
     recomputation's: ratios of step times)."""
-    from bench_your_model import COMBINATION, MICROBATCH, models, plain_microbatched_step
+    from bench_your_model import COMBINATION, MICROBATCH, models
 
     import lowmem
 
@@ -440,14 +450,7 @@ def attribution(args: argparse.Namespace) -> None:
                 f"trainer.compile_segments={args.segments}"])  # fmt: skip
             compile_s[part] = _warm_up(run, batch)
             steps[part] = functools.partial(run.step, batch)
-        torch.manual_seed(0)
-        model = make_model().to(dtype)
-        model.compile()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
-        typed = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
-        steps["plain"] = plain_microbatched_step(model, optimizer, loss_fn, typed, MICROBATCH)
-        steps["plain"]()
-        steps["plain"]()
+        steps["plain"] = _plain_warmed_up(make_model, batch, loss_fn, dtype, compiled=True)
         gc.collect()
         t = median_round_robin(steps, args.repeats)
         for part in parts:

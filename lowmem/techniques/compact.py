@@ -498,9 +498,15 @@ def compact_linear(x, values, columns, row_starts, bias, shape, transposed) -> t
     weight = densify(values, columns, row_starts, shape)
     if not transposed:
         return _own_tensor(F.linear(x, weight, bias))
+    return _own_tensor(_transposed_product(x, weight, bias))
+
+
+def _transposed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight + bias`` for ``weight`` [in, out], as transformers' ``Conv1D`` computes it (one
+    addmm over ``x`` flattened to 2-D)."""
     x_2d = x.reshape(-1, x.shape[-1])
     out = x_2d.mm(weight) if bias is None else torch.addmm(bias, x_2d, weight)
-    return _own_tensor(out.view(*x.shape[:-1], shape[1]))
+    return out.view(*x.shape[:-1], weight.shape[1])
 
 
 def compact_linear_backward(grad_output, x, values, columns, row_starts, shape, transposed, wanted):
@@ -661,8 +667,9 @@ def _autocast_operands(
 
 class _CompactConvolutionModule(_CompactModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and traced(self.compact_shape("weight")):  # the graph's own ops
-            weight = recomputed_dense(self.weight_values, *_index(self, "weight"), self.compact_shape("weight"))
+        shape = self.compact_shape("weight")
+        if torch.compiler.is_compiling() and traced(shape):  # the graph's own ops
+            weight = recomputed_dense(self.weight_values, *_index(self, "weight"), shape)
             return CONVOLUTIONS[len(self.stride)](x, weight, self.bias, self.stride, self.padding, self.dilation,
                                                   self.groups)  # fmt: skip
         if torch.compiler.is_compiling():  # one op of the graph (lowmem.techniques.compact_ops)
@@ -748,10 +755,8 @@ class _CompactTransposedLinear(_CompactModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.compact_shape("weight")
         if torch.compiler.is_compiling() and traced(shape):  # the graph's own ops, as Conv1D computes
-            weight = recomputed_dense(self.weight_values, *_index(self, "weight"), shape)
-            x_2d = x.reshape(-1, x.shape[-1])
-            out = x_2d.mm(weight) if self.bias is None else torch.addmm(self.bias, x_2d, weight)
-            return out.view(*x.shape[:-1], shape[1])
+            return _transposed_product(x, recomputed_dense(self.weight_values, *_index(self, "weight"), shape),
+                                       self.bias)
         if torch.compiler.is_compiling():  # one op of the graph
             x, values, bias = _autocast_operands(x, self.weight_values, self.bias)
             return torch.ops.lowmem.compact_linear(x, values, *_index(self, "weight"), bias, list(shape), True)
