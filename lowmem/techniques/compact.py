@@ -196,8 +196,8 @@ def densify(
 
 # --- compiled code: a small weight built by ops the compiler traces --------------------------------------
 # In compiled code a compact layer is one opaque operator (``lowmem.techniques.compact_ops``), whose
-# every call passes through Python: ~0.1-0.3 ms per layer and microbatch, forward and backward, which
-# a small layer's own kernels do not outweigh (mobilenet_v3_small at 32x32 in microbatches of 10: a
+# every call passes through Python, in forward and in backward: a per-call cost which a small layer's
+# own kernels do not outweigh (mobilenet_v3_small at 32x32 in microbatches of 10: a
 # compiled compact sparse step 1.33x plain PyTorch compiled, FP32 on a Zen 3; docs/compile.md). A
 # weight of at most ``TRACED_BYTES`` in FP32 (where the operator computes its backward in one kernel
 # call too, ``ONE_CALL_BYTES``: the dense weight and its gradient alive together) is built instead by
@@ -219,7 +219,7 @@ def traced_dense(values: torch.Tensor, columns: torch.Tensor, row_starts: torch.
     (one row: the columns are the positions). The zeros come from padding an empty slice of the
     values, not from a new ``zeros``: the compiler merges equal factory calls of a graph into one
     tensor, and one zero tensor shared by the layers of a shape was then saved for backward,
-    alive from forward to backward (mobilenet_v3_small: 0.9 MB)."""
+    alive from forward to backward (tests/test_compile.py holds that none is)."""
     if row_starts.shape[0] <= 2:
         positions = columns.long()
     else:
